@@ -1,0 +1,281 @@
+"""Request and response bodies (OpenAI conventions, as vLLM implements them).
+
+Unknown fields are rejected (400 naming the field) rather than silently ignored, except the
+OpenAI fields listed below that are accepted when they ask for the default behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_SEED = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+PromptText = Annotated[str, Field(max_length=4_000_000)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions, chat completions and session turns."""
+
+    model: str | None = Field(None, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1, le=128)
+    user: str | None = Field(None, max_length=256)
+    # Accepted only with their default meaning (see _defaults_only).
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, str) and not value:
+            return None
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError("at most 16 stop strings are supported")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        if value not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+    @model_validator(mode="after")
+    def _options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptText | list[TokenId] | list[PromptText] | list[list[TokenId]]
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError("only a single prompt per request is supported")
+            value = value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt must not be empty")
+        return value  # type: ignore[no-any-return]
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (the validator unwrapped a one-element batch)."""
+        return self.prompt  # type: ignore[return-value]
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+
+class SessionCompletionRequest(CompletionRequest):
+    """A session turn: the ``/v1/completions`` fields, ``prompt`` required, ``model`` optional."""
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: PromptText
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: PromptText | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+
+class SessionCreateRequest(_Strict):
+    """Optional body of ``POST /v1/sessions``."""
+
+    model: str | None = Field(None, max_length=256)
+
+
+# --------------------------------------------------------------------------- responses
+class SpecUsage(BaseModel):
+    """Speculative-decoding statistics of one request (extension of ``usage``)."""
+
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    mean_accepted_length: float = 0.0
+    accepted_per_position: list[int] = []
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    speculative: SpecUsage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mtpserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class SessionInfo(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    created_at: int
+    expires_at: int
+    num_tokens: int
+    busy: bool
+
+
+class SessionCreated(BaseModel):
+    id: str
+    expires_at: int
+
+
+class SessionClosed(BaseModel):
+    id: str
+    closed: Literal[True] = True
+    zeroed_bytes: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

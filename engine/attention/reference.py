@@ -1,0 +1,160 @@
+"""PyTorch paged absorbed-MLA attention: the engine's CPU path and the kernels' reference.
+
+Layout (docs/internals.md): one layer's cache is ``kv_cache [num_blocks, block_size, R + P]``,
+each entry ``[c_kv (R) | k_rope (P)]``; flat slot ``block_id * block_size + offset``. Sequence
+``b`` owns the new tokens ``query_start[b] : query_start[b + 1]`` of the flattened batch; its
+key at position ``pos`` lives in block ``block_tables[b, pos // block_size]``. Positions
+``0 .. ctx_b - 1`` are committed (visible to every query of ``b``, or to the first
+``query_ctx_lens[n]`` of them when given); positions ``ctx_b + j`` hold the new tokens, visible
+to query ``n`` where ``new_mask[n, j]``.
+
+Absorbed MLA: the score of query ``n``, head ``h`` against a key is
+``scale * (q_latent[n, h] . c_kv + q_rope[n, h] . k_rope)`` and the value is ``c_kv`` itself, so
+the output stays in latent space ``[N, H, R]`` (the caller applies ``W_UV``). A query that sees
+no key at all gets a zero row.
+
+Sequences are processed in groups padded to the group's longest query list and key range; a
+group is sized so that its float32 score tensor stays under ``_SCORE_BUDGET`` elements, so the
+reference also runs at GPU batch sizes (the benchmark uses it there) without exhausting memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_SCORE_BUDGET = 1 << 26  # elements of one group's [g, Q, H, S] float32 score tensor (256 MiB)
+
+
+def write_kv(
+    kv_cache: Tensor,  # [num_blocks, block_size, D] one layer's cache, contiguous
+    slot_mapping: Tensor,  # [N] int64 flat slot of each entry
+    entries: Tensor,  # [N, D] new latent entries [c_kv | k_rope]
+) -> None:
+    """Store ``entries[i]`` at flat slot ``slot_mapping[i]`` (cast to the cache dtype)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, D]
+    flat.index_copy_(0, slot_mapping.long(), entries.to(kv_cache.dtype))
+
+
+def slot_mapping_for(
+    block_tables: Tensor,  # [B, max_blocks] int32, -1 padded
+    seq_index: Tensor,  # [N] int64 sequence of each entry
+    slot_pos: Tensor,  # [N] int64 position of each entry in its sequence
+    block_size: int,
+) -> Tensor:  # [N] int64 flat slots
+    """Flat cache slot of position ``slot_pos[i]`` of sequence ``seq_index[i]``.
+
+    The positions must be covered by allocated blocks (no -1 entry is looked up).
+    """
+    pos = slot_pos.long()  # [N]
+    blocks = block_tables[seq_index.long(), pos // block_size].long()  # [N]
+    return blocks * block_size + pos % block_size
+
+
+def paged_mla_attention(
+    q_latent: Tensor,  # [N, H, R]
+    q_rope: Tensor,  # [N, H, P]
+    kv_cache: Tensor,  # [num_blocks, block_size, R + P]
+    block_tables: Tensor,  # [B, max_blocks] int32, -1 padded
+    ctx_lens: Tensor,  # [B] int32
+    query_start: Tensor,  # [B + 1] int32
+    new_mask: Tensor,  # [N, M] bool
+    scale: float,
+    query_ctx_lens: Tensor | None = None,  # [N] int32 committed keys query n sees (<= ctx_b)
+) -> Tensor:  # [N, H, R] in q_latent's dtype
+    """Attention of every new token over its sequence's committed and visible new keys."""
+    num_tokens, num_heads, rank = q_latent.shape
+    rope_dim = q_rope.shape[-1]
+    entry_dim = kv_cache.shape[-1]
+    assert entry_dim == rank + rope_dim, (entry_dim, rank, rope_dim)
+    out = q_latent.new_zeros(num_tokens, num_heads, rank)  # [N, H, R]
+    if num_tokens == 0:
+        return out
+    block_size = kv_cache.shape[1]
+    max_new = new_mask.shape[1]
+    kv_flat = kv_cache.reshape(-1, entry_dim)  # [num_blocks * block_size, R + P]
+    q_all = torch.cat([q_latent, q_rope], dim=-1)  # [N, H, R + P]
+    starts = query_start.long()  # [B + 1]
+    num_new = starts[1:] - starts[:-1]  # [B]
+    ctx = ctx_lens.long()  # [B]
+    kv_lens = ctx + num_new  # [B]
+    num_new_host = num_new.tolist()
+    kv_lens_host = kv_lens.tolist()
+    assert max(num_new_host, default=0) <= max_new, "new_mask narrower than a sequence's tokens"
+
+    b0 = 0
+    num_seqs = len(num_new_host)
+    while b0 < num_seqs:
+        # Grow the group while its padded score tensor fits the budget.
+        b1, g_q, g_s = b0 + 1, num_new_host[b0], kv_lens_host[b0]
+        while b1 < num_seqs:
+            q_next, s_next = max(g_q, num_new_host[b1]), max(g_s, kv_lens_host[b1])
+            if (b1 + 1 - b0) * q_next * num_heads * s_next > _SCORE_BUDGET:
+                break
+            b1, g_q, g_s = b1 + 1, q_next, s_next
+        if g_q > 0:
+            _attend_group(
+                out, q_all, kv_flat, block_tables[b0:b1], ctx[b0:b1], starts[b0:b1],
+                num_new[b0:b1], kv_lens[b0:b1], new_mask, query_ctx_lens, g_q, g_s,
+                block_size, rank, scale,
+            )
+        b0 = b1
+    return out
+
+
+def _attend_group(
+    out: Tensor,  # [N, H, R] written in place
+    q_all: Tensor,  # [N, H, R + P]
+    kv_flat: Tensor,  # [num_slots, R + P]
+    block_tables: Tensor,  # [g, max_blocks]
+    ctx: Tensor,  # [g] int64
+    starts: Tensor,  # [g] int64 first token of each sequence
+    num_new: Tensor,  # [g] int64
+    kv_lens: Tensor,  # [g] int64 ctx + num_new
+    new_mask: Tensor,  # [N, M] bool
+    query_ctx_lens: Tensor | None,  # [N] int32
+    max_q: int,
+    max_s: int,
+    block_size: int,
+    rank: int,
+    scale: float,
+) -> None:
+    """Attention for a group of ``g`` sequences padded to ``max_q`` queries and ``max_s`` keys."""
+    g = block_tables.shape[0]
+    device = q_all.device
+    num_heads, entry_dim = q_all.shape[1], q_all.shape[2]
+    pos = torch.arange(max_s, device=device)  # [S] key positions
+    block_col = (pos // block_size).clamp(max=block_tables.shape[1] - 1)  # [S]
+    blocks = block_tables.long()[:, block_col]  # [g, S]
+    key_ok = pos[None, :] < kv_lens[:, None]  # [g, S]
+    slots = torch.where(key_ok, blocks.clamp(min=0) * block_size + pos % block_size, 0)  # [g, S]
+    keys = kv_flat[slots].float()  # [g, S, R + P]
+
+    qpos = torch.arange(max_q, device=device)  # [Q]
+    q_ok = qpos[None, :] < num_new[:, None]  # [g, Q]
+    qidx = torch.where(q_ok, starts[:, None] + qpos[None, :], 0)  # [g, Q] token index
+    q = q_all[qidx].float().reshape(g, max_q * num_heads, entry_dim)  # [g, Q*H, R + P]
+    scores = torch.bmm(q, keys.transpose(1, 2)).view(g, max_q, num_heads, max_s)  # [g, Q, H, S]
+    scores.mul_(scale)
+
+    # Committed keys: pos < ctx_b, or pos < query_ctx_lens[n] when given.
+    committed_limit = ctx[:, None].expand(g, max_q)  # [g, Q]
+    if query_ctx_lens is not None:
+        committed_limit = query_ctx_lens.long()[qidx]  # [g, Q]
+    visible = pos[None, None, :] < committed_limit[:, :, None]  # [g, Q, S]
+    # New keys: j = pos - ctx_b in [0, num_new_b), visible where new_mask[n, j].
+    j = pos[None, :] - ctx[:, None]  # [g, S]
+    is_new = (j >= 0) & key_ok  # [g, S]
+    j_col = j.clamp(0, new_mask.shape[1] - 1)[:, None, :].expand(g, max_q, max_s)  # [g, Q, S]
+    new_vis = new_mask[qidx].gather(2, j_col) & is_new[:, None, :]  # [g, Q, S]
+    visible = (visible | new_vis) & q_ok[:, :, None]  # [g, Q, S]
+
+    scores.masked_fill_(~visible[:, :, None, :], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)  # [g, Q, H, 1]
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # all-masked rows -> 0
+    probs = torch.exp(scores - row_max)  # [g, Q, H, S]; masked -> 0
+    denom = probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    probs = (probs / denom).view(g, max_q * num_heads, max_s)  # [g, Q*H, S]
+    values = keys[:, :, :rank]  # [g, S, R]
+    o = torch.bmm(probs, values).view(g, max_q, num_heads, rank)  # [g, Q, H, R]
+    out[qidx[q_ok]] = o[q_ok].to(out.dtype)

@@ -1,0 +1,17 @@
+"""Triton kernels for the GPU fast path.
+
+Modules here import Triton at import time; import them only after ``triton_available()``.
+Their PyTorch references (the CPU path) live next to the code that uses them:
+``engine/attention/reference.py`` and ``engine/kv/compaction.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported."""
+    return importlib.util.find_spec("triton") is not None

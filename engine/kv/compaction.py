@@ -1,0 +1,63 @@
+"""Commit a verify step's KV: move the accepted path's entries down, zero the rejected slots.
+
+After a verify step, accepted node ``a_i`` of a sequence sits at flat slot ``ctx + node_index``
+and must end at ``ctx + i`` (docs/internals.md), in every layer of the cache
+``kv_cache_all [L, num_blocks, block_size, D]`` (flat slot ``block_id * block_size + offset``).
+The tree's other slots held rejected drafts and are zeroed (no remanence).
+
+``compact_and_zero(kv_cache_all, src_slots, dst_slots, zero_slots)``:
+1. moves, in order ``k = 0, 1, ...``: slot ``dst_slots[k]`` of every layer takes the current
+   content of slot ``src_slots[k]``, with ``dst <= src``. "In order" matters for chains such as
+   ``src=[5, 7], dst=[4, 5]``: slot 5 is read by the first move before the second overwrites it;
+2. then zeroes ``zero_slots`` in every layer (they never include a ``dst`` slot; they may
+   include ``src`` slots that were moved away from).
+Moves of several sequences can be concatenated into one call: their slots are disjoint.
+``dst_slots`` must be distinct. ``compact_and_zero`` runs the fused Triton kernel
+(``engine/kernels/compaction.py``, one launch) on CUDA when Triton is installed, this module's
+PyTorch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.kernels import triton_available
+
+
+def compact_and_zero(
+    kv_cache_all: Tensor,  # [L, num_blocks, block_size, D] contiguous
+    src_slots: Tensor,  # [K] int64
+    dst_slots: Tensor,  # [K] int64
+    zero_slots: Tensor,  # [Z] int64
+) -> None:
+    """Move accepted entries ``src -> dst`` in order, then zero ``zero_slots`` (all layers)."""
+    if kv_cache_all.is_cuda and triton_available():
+        from engine.kernels.compaction import compact_and_zero_triton
+
+        compact_and_zero_triton(kv_cache_all, src_slots, dst_slots, zero_slots)
+    else:
+        compact_and_zero_reference(kv_cache_all, src_slots, dst_slots, zero_slots)
+
+
+def compact_and_zero_reference(
+    kv_cache_all: Tensor,  # [L, num_blocks, block_size, D] contiguous
+    src_slots: Tensor,  # [K] int64
+    dst_slots: Tensor,  # [K] int64
+    zero_slots: Tensor,  # [Z] int64
+) -> None:
+    """PyTorch version of ``compact_and_zero`` (the CPU path)."""
+    num_layers, entry_dim = kv_cache_all.shape[0], kv_cache_all.shape[-1]
+    flat = kv_cache_all.view(num_layers, -1, entry_dim)  # [L, num_slots, D]
+    src, dst = src_slots.long(), dst_slots.long()  # [K], [K]
+    if src.numel() > 0:
+        # A gather-then-scatter equals the in-order moves unless a move reads a slot that an
+        # earlier move wrote (dst[j] == src[k] for some j < k): then replay the moves one by one.
+        reads_earlier_write = torch.triu(dst[:, None] == src[None, :], diagonal=1)  # [K, K]
+        if bool(reads_earlier_write.any()):
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                flat[:, d] = flat[:, s]
+        else:
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+    if zero_slots.numel() > 0:
+        flat.index_fill_(1, zero_slots.long(), 0)

@@ -1,0 +1,537 @@
+"""LLMEngine: schedule -> (prefill | draft -> verify -> accept -> commit KV) -> outputs.
+
+One ``step()`` runs one scheduler iteration: a chunked-prefill forward for sequences still
+reading their prompt, and one decode forward for the others — an autoregressive step, or a
+speculative step (MTP tree draft, one tree-masked target forward, lossless acceptance, KV
+compaction with the rejected slots zeroed). The engine is single-threaded; the serving loop
+(engine/serving) owns it on its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.batch_builder import SeqRows, build_batch, causal_mask
+from engine.kv.block_pool import BlockPool, KVCacheFull
+from engine.model.config import ModelConfig
+from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.model.loader import load_model, parse_dtype
+from engine.outputs import RequestOutput, ZeroEvent
+from engine.params import EngineConfig, SamplingParams, SpecConfig
+from engine.sampling import (
+    apply_penalties,
+    make_generator,
+    probs_from_logits,
+    sample_from_probs,
+    token_counts,
+)
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+from engine.spec.acceptance_stats import AcceptanceCounter
+from engine.spec.defaults import resolve_budget
+from engine.spec.drafter import MTPDrafter, TreeBudget
+from engine.spec.tree import DraftTree
+from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
+
+CPU_DEFAULT_KV_BYTES = 256 << 20
+GPU_DEFAULT_KV_FRACTION = 0.3
+
+
+@dataclass
+class StepTimings:
+    """Host-clock timings of the last step (seconds), for benchmarks."""
+
+    draft: float = 0.0
+    verify: float = 0.0
+    rollback: float = 0.0
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        tokenizer: object | None,
+        eos_token_ids: frozenset[int],
+        spec: SpecConfig,
+        engine_config: EngineConfig,
+        device: torch.device,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.model_config: ModelConfig = cfg
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.spec = spec
+        self.config = engine_config
+        self.device = device
+        self.max_model_len = engine_config.max_model_len or cfg.max_position_embeddings
+        if spec.method != "none" and cfg.num_mtp_modules == 0:
+            raise ValueError(
+                f"SpecConfig(method={spec.method!r}) needs MTP modules, but the model has "
+                "num_nextn_predict_layers = 0; use method='none'"
+            )
+        self.budget = resolve_budget(spec, device.type, cfg.vocab_size)
+        dtype = next(model.parameters()).dtype
+        memory = engine_config.kv_memory_bytes or self._default_kv_bytes(device)
+        num_layers = cfg.num_layers_total if spec.method != "none" else cfg.num_hidden_layers
+        num_blocks = BlockPool.blocks_for_budget(
+            memory, max(num_layers, cfg.num_layers_total), engine_config.block_size, cfg.latent_dim, dtype
+        )
+        self.pool = BlockPool(
+            cfg.num_layers_total, num_blocks, engine_config.block_size, cfg.latent_dim, dtype, device
+        )
+        scratch = self.budget.num_draft_tokens + self.budget.topk + 2
+        self.scheduler = Scheduler(
+            self.pool, engine_config.max_batch_size, engine_config.prefill_chunk_tokens, scratch
+        )
+        self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if cfg.num_mtp_modules else None
+        self.acceptance = AcceptanceCounter()
+        self.last_timings = StepTimings()
+        self._requests: dict[str, Sequence] = {}
+        self._sessions: dict[str, Sequence] = {}
+        self._zero_events: list[ZeroEvent] = []
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        spec: SpecConfig | None = None,
+        engine_config: EngineConfig | None = None,
+    ) -> LLMEngine:
+        folder = Path(path)
+        torch_device = torch.device(device)
+        model = load_model(folder, dtype=parse_dtype(dtype), device=torch_device)
+        tokenizer = _load_tokenizer(folder)
+        eos = _eos_ids(folder, model.config)
+        return cls(model, tokenizer, eos, spec or SpecConfig(), engine_config or EngineConfig(), torch_device)
+
+    @staticmethod
+    def _default_kv_bytes(device: torch.device) -> int:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * GPU_DEFAULT_KV_FRACTION)
+        return CPU_DEFAULT_KV_BYTES
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+        owner: str = "",
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError("sampling must be a SamplingParams")
+        ids = list(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if session_id is None and not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if session_id is not None:
+            seq = self._sessions.get(session_id)
+            if seq is None:
+                raise ValueError(f"unknown session {session_id!r}")
+            if seq.status is not SeqStatus.IDLE:
+                raise ValueError(f"session {session_id!r} already has a request running")
+            if not ids and not seq.tokens:
+                raise ValueError("prompt_token_ids must not be empty")
+            total = len(seq.tokens) + len(ids) + sampling.max_tokens
+        else:
+            total = len(ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({total - sampling.max_tokens} tokens) plus max_tokens "
+                f"({sampling.max_tokens}) exceeds the context length {self.max_model_len}"
+            )
+        if session_id is None:
+            seq = Sequence(
+                request_id=request_id,
+                tokens=ids,
+                sampling=sampling,
+                generator=make_generator(sampling.seed, self.device),
+                owner=owner,
+                num_mtp_modules=self.model_config.num_mtp_modules,
+            )
+        else:
+            seq.request_id = request_id
+            seq.tokens.extend(ids)
+            seq.sampling = sampling
+            seq.generator = make_generator(sampling.seed, self.device)
+            seq.stats = type(seq.stats)()
+            seq.finish_reason = None
+        seq.output_start = len(seq.tokens)
+        seq.num_prompt_tokens = len(ids)
+        seq.arrival_order = next(self._arrivals)
+        if self.scheduler.blocks_needed(seq) > self.pool.num_blocks:
+            raise KVCacheFull(
+                f"request needs {self.scheduler.blocks_needed(seq)} KV blocks but the pool has "
+                f"{self.pool.num_blocks}; lower max_tokens or raise the KV memory budget"
+            )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, session_id: str, owner: str = "") -> None:
+        if session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} already exists")
+        seq = Sequence(
+            request_id="",
+            tokens=[],
+            sampling=SamplingParams(),
+            generator=make_generator(0),
+            owner=owner,
+            session_id=session_id,
+            num_mtp_modules=self.model_config.num_mtp_modules,
+            status=SeqStatus.IDLE,
+        )
+        self._sessions[session_id] = seq
+
+    def close_session(self, session_id: str) -> int:
+        seq = self._sessions.pop(session_id, None)
+        if seq is None:
+            raise ValueError(f"unknown session {session_id!r}")
+        if seq.status in (SeqStatus.RUNNING, SeqStatus.WAITING):
+            self.scheduler.remove(seq)
+            self._requests.pop(seq.request_id, None)
+        return self._release(seq, seq.request_id or None)
+
+    def session_num_tokens(self, session_id: str) -> int:
+        seq = self._sessions.get(session_id)
+        if seq is None:
+            raise ValueError(f"unknown session {session_id!r}")
+        return len(seq.tokens)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.pool.num_blocks
+
+    def drain_zero_events(self) -> list[ZeroEvent]:
+        events, self._zero_events = self._zero_events, []
+        return events
+
+    def acceptance_snapshot(self) -> dict[str, object]:
+        return self.acceptance.snapshot()
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        sampling = sampling or SamplingParams()
+        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompt_token_ids))]
+        for rid, prompt in zip(ids, prompt_token_ids, strict=True):
+            self.add_request(rid, list(prompt), sampling)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if plan.prefill:
+            self._prefill(plan.prefill, outputs)
+        decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
+        if decode:
+            budget = self._choose_budget(decode)
+            if budget.speculates:
+                self._speculative_step(decode, budget, outputs)
+            else:
+                self._autoregressive_step(decode, outputs)
+        return outputs
+
+    def _choose_budget(self, seqs: list[Sequence]) -> TreeBudget:
+        if self.spec.method != "adaptive":
+            return self.budget
+        from engine.spec.adaptive import choose_budget  # noqa: PLC0415 (optional simulator)
+
+        return choose_budget(self, len(seqs))
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, work: list[tuple[Sequence, int]], outputs: list[RequestOutput]) -> None:
+        rows = []
+        for seq, chunk in work:
+            start = seq.num_committed
+            rows.append(
+                SeqRows(
+                    seq.block_ids,
+                    start,
+                    seq.tokens[start : start + chunk],
+                    list(range(start, start + chunk)),
+                    causal_mask(chunk),
+                )
+            )
+        ids, batch = build_batch(rows, self.pool.block_size, self.device)
+        hidden = self.model.forward_target(ids, batch, self.pool.kv_cache)  # [N, H]
+        offset = 0
+        finishing: list[tuple[Sequence, torch.Tensor]] = []
+        for seq, chunk in work:
+            h = hidden[offset : offset + chunk]
+            offset += chunk
+            if self.drafter is not None:
+                seq.push_hidden(0, seq.num_committed, h)
+            seq.num_committed += chunk
+            if seq.num_committed == len(seq.tokens):
+                finishing.append((seq, h[-1]))
+        if finishing:
+            logits = self.model.logits(torch.stack([h for _, h in finishing]))  # [F, V]
+            for (seq, _), row in zip(finishing, logits, strict=True):
+                token = self._sample_one(seq, row)
+                self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
+
+    # ------------------------------------------------------------------ decode
+    def _autoregressive_step(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
+        rows = [
+            SeqRows(seq.block_ids, seq.num_committed, [seq.tokens[-1]], [seq.num_committed], causal_mask(1))
+            for seq in seqs
+        ]
+        ids, batch = build_batch(rows, self.pool.block_size, self.device)
+        hidden = self.model.forward_target(ids, batch, self.pool.kv_cache)
+        logits = self.model.logits(hidden)
+        for i, seq in enumerate(seqs):
+            if self.drafter is not None:
+                seq.push_hidden(0, seq.num_committed, hidden[i : i + 1])
+            seq.num_committed += 1
+            seq.stats.record_step(0, 0)
+            self._append_tokens(seq, [self._sample_one(seq, logits[i])], outputs, drafted=0, accepted=0)
+
+    def _speculative_step(
+        self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
+    ) -> None:
+        assert self.drafter is not None
+        t0 = time.perf_counter()
+        trees = self.drafter.draft(seqs, budget)
+        t1 = time.perf_counter()
+        rows = [
+            SeqRows(
+                seq.block_ids,
+                seq.num_committed,
+                tree.token_list,
+                [seq.num_committed + d for d in tree.depth_list],
+                tree.tree_mask(),
+            )
+            for seq, tree in zip(seqs, trees, strict=True)
+        ]
+        ids, batch = build_batch(rows, self.pool.block_size, self.device)
+        hidden = self.model.forward_target(ids, batch, self.pool.kv_cache)  # [N, H]
+        logits = self.model.logits(hidden)  # [N, V]
+        t2 = time.perf_counter()
+        offset = 0
+        rollback = 0.0
+        for seq, tree in zip(seqs, trees, strict=True):
+            n = tree.num_nodes
+            result = self._verify(seq, tree, logits[offset : offset + n])
+            r0 = time.perf_counter()
+            slots = batch.slot_mapping[offset : offset + n]
+            self._commit_path(seq, tree, result, slots, hidden[offset : offset + n])
+            rollback += time.perf_counter() - r0
+            offset += n
+            self.acceptance.record(tree, result.accepted)
+            seq.stats.record_step(n - 1, result.num_accepted)
+            new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
+            self._append_tokens(seq, new_tokens, outputs, drafted=n - 1, accepted=result.num_accepted)
+        self.last_timings = StepTimings(draft=t1 - t0, verify=t2 - t1, rollback=rollback)
+
+    def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
+        params = seq.sampling
+        if params.has_penalties:
+            base = token_counts([seq.output_ids], self.model_config.vocab_size, logits.device)[0]
+            counts = tree.path_token_counts(base)
+            pres = torch.full((tree.num_nodes,), float(params.presence_penalty))
+            freq = torch.full((tree.num_nodes,), float(params.frequency_penalty))
+            logits = apply_penalties(logits, counts, pres, freq)
+        if params.greedy:
+            return verify_greedy(tree, logits.argmax(dim=-1))
+        n = tree.num_nodes
+        probs = probs_from_logits(
+            logits,
+            torch.full((n,), float(params.temperature)),
+            torch.full((n,), int(params.top_k), dtype=torch.long),
+            torch.full((n,), float(params.top_p)),
+        )
+        return verify_sampling(tree, probs, seq.generator)
+
+    def _commit_path(
+        self,
+        seq: Sequence,
+        tree: DraftTree,
+        result: AcceptResult,
+        slots: torch.Tensor,  # [n] flat slots of the tree nodes
+        hidden: torch.Tensor,  # [n, H]
+    ) -> None:
+        """Move the accepted path's target KV to contiguous slots; zero the rest of the tree."""
+        path = result.accepted
+        m = len(path) - 1
+        main = slice(0, self.model_config.num_hidden_layers)
+        flat = self.pool.kv_cache.view(self.pool.kv_cache.shape[0], -1, self.pool.kv_cache.shape[-1])
+        if any(a != i for i, a in enumerate(path)):
+            src = slots[torch.tensor(path)]
+            dst = slots[: m + 1]
+            flat[main, dst] = flat[main, src]
+        if tree.num_nodes > m + 1:
+            self.pool.zero_slots(slots[m + 1 :], main)
+        if self.drafter is not None:
+            seq.push_hidden(0, seq.num_committed, hidden[torch.tensor(path)])
+        seq.num_committed += m + 1
+
+    # ------------------------------------------------------------------ tokens and finishing
+    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
+        params = seq.sampling
+        if params.has_penalties:
+            counts = token_counts([seq.output_ids], self.model_config.vocab_size, logits.device)
+            logits = apply_penalties(
+                logits[None],
+                counts,
+                torch.tensor([float(params.presence_penalty)]),
+                torch.tensor([float(params.frequency_penalty)]),
+            )[0]
+        if params.greedy:
+            return int(logits.argmax())
+        probs = probs_from_logits(
+            logits[None],
+            torch.tensor([float(params.temperature)]),
+            torch.tensor([int(params.top_k)]),
+            torch.tensor([float(params.top_p)]),
+        )[0]
+        return sample_from_probs(probs, seq.generator)
+
+    def _append_tokens(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        outputs: list[RequestOutput],
+        drafted: int | None,
+        accepted: int | None,
+    ) -> None:
+        params = seq.sampling
+        emitted: list[int] = []
+        reason = None
+        for token in tokens:
+            seq.tokens.append(token)
+            emitted.append(token)
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        if reason and seq.num_committed > len(seq.tokens) - 1:
+            self._truncate_committed(seq)
+        outputs.append(
+            RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=emitted,
+                token_ids=list(seq.output_ids),
+                finished=reason is not None,
+                finish_reason=reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                stats=seq.stats,
+                step_drafted=drafted,
+                step_accepted=accepted,
+            )
+        )
+        if reason:
+            self.scheduler.remove(seq)
+            self._finish(seq, reason)
+
+    def _truncate_committed(self, seq: Sequence) -> None:
+        """A stop inside an accepted path: forget (and zero) KV past the new pending token."""
+        keep = len(seq.tokens) - 1
+        table = torch.tensor(seq.block_ids)
+        positions = torch.arange(keep, seq.num_committed)
+        bs = self.pool.block_size
+        slots = table[positions // bs] * bs + positions % bs
+        self.pool.zero_slots(slots, slice(0, self.model_config.num_hidden_layers))
+        seq.num_committed = keep
+        rows = seq.pending_hidden[0] if seq.pending_hidden else None
+        if rows is not None:
+            seq.pending_hidden[0] = rows[: max(keep - seq.pending_start[0], 0)]
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self._requests.pop(seq.request_id, None)
+        if seq.session_id is not None and seq.session_id in self._sessions:
+            seq.status = SeqStatus.IDLE
+            self._trim_session_blocks(seq)
+            return
+        seq.status = SeqStatus.FINISHED
+        self._release(seq, seq.request_id)
+
+    def _trim_session_blocks(self, seq: Sequence) -> None:
+        needed = -(-len(seq.tokens) // self.pool.block_size)
+        extra = seq.block_ids[needed:]
+        if extra:
+            del seq.block_ids[needed:]
+            self.pool.free(extra)
+
+    def _release(self, seq: Sequence, request_id: str | None) -> int:
+        blocks = len(seq.block_ids)
+        zeroed = self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        if blocks:
+            self._zero_events.append(ZeroEvent(seq.owner, request_id, seq.session_id, blocks, zeroed))
+        return zeroed
+
+
+def _load_tokenizer(folder: Path) -> object | None:
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer  # noqa: PLC0415 (heavy import, only when needed)
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def _eos_ids(folder: Path, cfg: ModelConfig) -> frozenset[int]:
+    import json  # noqa: PLC0415
+
+    value: object = None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        value = cfg.eos_token_id
+    if value is None:
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(int(v) for v in value)  # type: ignore[union-attr]

@@ -1,0 +1,76 @@
+"""One DeepSeek-V3 block: pre-norm MLA + pre-norm MLP (dense or MoE), both residual."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.attention_batch import AttentionBatch
+from engine.model.config import ModelConfig
+from engine.model.layers import RMSNorm, SwiGLUMLP
+from engine.model.mla import MultiHeadLatentAttention
+from engine.model.moe import MoE
+from engine.model.rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MultiHeadLatentAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward_paged(
+        self,
+        x: torch.Tensor,  # [N, H]
+        rope: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, latent]
+    ) -> torch.Tensor:
+        x = x + self.self_attn.forward_paged(self.input_layernorm(x), rope, cos, sin, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        rope: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,  # [T, T] bool
+    ) -> torch.Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), rope, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """Holds only the MTP module's output norm; the head matrix is the main model's lm_head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """MTP module i, stored as decoder layer ``num_hidden_layers + i``.
+
+    h_d = shared_head.norm(Block(eh_proj([enorm(emb(x_{t+d})); hnorm(h_{d-1})])))
+    The embedding-first concatenation order and the normalised hand-over between depths follow
+    the published weights as transformers' ``MtpLayer`` and vLLM's ``deepseek_mtp`` read them.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def fuse_inputs(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] x2 -> [..., H]."""
+        return self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))

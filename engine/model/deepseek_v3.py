@@ -1,0 +1,153 @@
+"""DeepSeek-V3 causal LM with its MTP modules, owning nothing but weights.
+
+Parameter names equal the Hugging Face checkpoint names, so loading and exporting are plain
+state-dict copies. The main model's embedding and lm_head are shared by every MTP module.
+
+Hidden-state convention (documented choice, matching transformers' MTP reading of the published
+weights): the hidden state handed to MTP depth 1 is the main model's *final-normed* hidden
+state, and each MTP module hands on its output *after* ``shared_head.norm`` — the same vector
+its logits are computed from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.attention_batch import AttentionBatch
+from engine.model.config import ModelConfig
+from engine.model.decoder_layer import DecoderLayer, MTPLayer
+from engine.model.layers import RMSNorm
+from engine.model.rope import RotaryEmbedding
+
+
+def mtp_band_mask(seq_len: int, depth: int, device: torch.device | None = None) -> torch.Tensor:
+    """[T, T] bool mask for MTP module ``depth`` (1-based) in training.
+
+    Row t sees itself and rows j <= t - (depth - 1). For depths 1 and 2 this is the causal mask.
+    Deeper modules cannot see their own most recent ``depth - 2`` entries at draft time (those
+    entries would need tokens that are still drafts), so they are trained without them too:
+    drafting then computes exactly the function that was trained.
+    """
+    idx = torch.arange(seq_len, device=device)
+    diff = idx[:, None] - idx[None, :]
+    return (diff == 0) | (diff >= max(depth - 1, 1))
+
+
+class DeepseekV3Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers: list[nn.Module] = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        layers += [
+            MTPLayer(cfg, cfg.num_hidden_layers + i) for i in range(cfg.num_nextn_predict_layers)
+        ]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg)
+
+    # ---- structure ----
+    @property
+    def main_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers[: self.config.num_hidden_layers])  # type: ignore[arg-type]
+
+    def mtp_layer(self, depth: int) -> MTPLayer:
+        """MTP module for 1-based ``depth`` (must be <= num_nextn_predict_layers)."""
+        layer = self.model.layers[self.config.num_hidden_layers + depth - 1]
+        assert isinstance(layer, MTPLayer)
+        return layer
+
+    def mtp_cache_layer(self, depth: int) -> int:
+        """Index of MTP module ``depth``'s latent cache in the KV pool's layer axis."""
+        return self.config.num_hidden_layers + depth - 1
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Normal(0, initializer_range) for matrices, ones for norms, zeros for router bias."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        for name, param in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif param.dim() >= 2:
+                    param.copy_(torch.randn(param.shape, generator=gen) * std)
+                else:
+                    param.zero_()
+        for buf_name, buf in self.named_buffers():
+            if buf_name.endswith("e_score_correction_bias"):
+                buf.zero_()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalised hidden [..., H] -> logits [..., V] in float32."""
+        return self.lm_head(hidden).float()
+
+    # ---- inference over the paged cache ----
+    def forward_target(
+        self,
+        input_ids: torch.Tensor,  # [N]
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,  # [layers_total, num_blocks, block_size, latent]
+    ) -> torch.Tensor:
+        """Main model on the batch's new tokens -> final-normed hidden [N, H]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
+        for i, layer in enumerate(self.main_layers):
+            x = layer.forward_paged(x, self.rope, cos, sin, batch, kv_cache[i])
+        return self.model.norm(x)
+
+    def forward_mtp(
+        self,
+        depth: int,  # 1-based module index
+        prev_hidden: torch.Tensor,  # [N, H] normalised hidden of depth-1
+        input_ids: torch.Tensor,  # [N] token x_{t+depth} for each row
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """MTP module ``depth`` -> its normalised hidden [N, H] (logits via ``self.logits``)."""
+        layer = self.mtp_layer(depth)
+        x = layer.fuse_inputs(self.model.embed_tokens(input_ids), prev_hidden)
+        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
+        x = layer.forward_paged(x, self.rope, cos, sin, batch, kv_cache[self.mtp_cache_layer(depth)])
+        return layer.shared_head.norm(x)
+
+    # ---- training / reference over whole sequences ----
+    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> final-normed hidden [B, T, H] with full causal attention (positions 0..T-1)."""
+        seq = input_ids.shape[1]
+        x = self.model.embed_tokens(input_ids)
+        positions = torch.arange(seq, device=input_ids.device)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        mask = mtp_band_mask(seq, 1, input_ids.device)
+        for layer in self.main_layers:
+            x = layer.forward_dense(x, self.rope, cos, sin, mask)
+        return self.model.norm(x)
+
+    def mtp_forward_train(
+        self,
+        depth: int,
+        prev_hidden: torch.Tensor,  # [B, T', H] normalised hidden of depth-1 at positions t
+        next_ids: torch.Tensor,  # [B, T'] tokens x_{t+depth}
+        start_position: int = 0,  # position of row 0's hidden state t
+    ) -> torch.Tensor:
+        """MTP module ``depth`` over rows t = start..start+T'-1 -> normalised hidden [B, T', H].
+
+        RoPE position of row t is t + depth (the position of the token it consumes), as in the
+        reference MTP implementation.
+        """
+        seq = next_ids.shape[1]
+        layer = self.mtp_layer(depth)
+        x = layer.fuse_inputs(self.model.embed_tokens(next_ids), prev_hidden)
+        positions = torch.arange(seq, device=next_ids.device) + start_position + depth
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        x = layer.forward_dense(x, self.rope, cos, sin, mtp_band_mask(seq, depth, next_ids.device))
+        return layer.shared_head.norm(x)

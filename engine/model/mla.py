@@ -1,0 +1,126 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) in two forms.
+
+* ``forward_paged`` — inference, *absorbed* form: the cache holds only the normalised latent
+  ``c_kv`` [kv_lora_rank] and the rotated rope key [qk_rope_head_dim] per token and layer.
+  Queries are mapped into latent space with W_UK (``q_latent = q_nope @ W_UK``), attention runs
+  against the latents, and W_UV maps the result back per head. Nothing is decompressed into the
+  cache.
+* ``forward_dense`` — training and reference, *expanded* form over a full sequence with an
+  explicit boolean mask (standard causal, or the band mask of deeper MTP modules).
+Both compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import paged_mla_attention, write_kv
+from engine.model.attention_batch import AttentionBatch
+from engine.model.config import ModelConfig
+from engine.model.layers import RMSNorm
+from engine.model.rope import RotaryEmbedding, softmax_scale
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.q_lora_rank = cfg.q_lora_rank
+        qk_dim = cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = softmax_scale(cfg)
+
+    # ---- shared pieces ----
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> q_nope [..., heads, nope], q_rope [..., heads, rope] (not rotated)."""
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(*x.shape[:-1], self.num_heads, self.nope_dim + self.rope_dim)
+        return q[..., : self.nope_dim], q[..., self.nope_dim :]
+
+    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> c_kv [..., kv_rank] (normalised), k_rope [..., rope] (not rotated)."""
+        kv = self.kv_a_proj_with_mqa(x)
+        return self.kv_a_layernorm(kv[..., : self.kv_rank]), kv[..., self.kv_rank :]
+
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [heads, nope, kv_rank], W_UV [heads, v, kv_rank] from kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    # ---- inference: absorbed MLA over the paged latent cache ----
+    def forward_paged(
+        self,
+        x: torch.Tensor,  # [N, H]
+        rope: RotaryEmbedding,
+        cos: torch.Tensor,  # [N, rope/2]
+        sin: torch.Tensor,  # [N, rope/2]
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_rank + rope] this layer's cache
+    ) -> torch.Tensor:
+        q_nope, q_rope = self._queries(x)  # [N, heads, nope], [N, heads, rope]
+        c_kv, k_rope = self._latents(x)  # [N, kv_rank], [N, rope]
+        q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])
+        k_rope = rope.rotate(k_rope, cos, sin)
+        write_kv(kv_cache, batch.slot_mapping, torch.cat([c_kv, k_rope], dim=-1))
+
+        w_uk, w_uv = self._absorb_weights()
+        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, heads, kv_rank]
+        out_latent = paged_mla_attention(
+            q_latent,
+            q_rope,
+            kv_cache,
+            batch.block_tables,
+            batch.ctx_lens,
+            batch.query_start,
+            batch.new_mask,
+            self.scale,
+            query_ctx_lens=batch.query_ctx_lens,
+        )  # [N, heads, kv_rank]
+        out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)  # [N, heads, v]
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
+
+    # ---- training / reference: expanded MLA over whole sequences ----
+    def forward_dense(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        rope: RotaryEmbedding,
+        cos: torch.Tensor,  # [T, rope/2]
+        sin: torch.Tensor,  # [T, rope/2]
+        mask: torch.Tensor,  # [T, T] bool, True = may attend
+    ) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q_nope, q_rope = self._queries(x)  # [B, T, heads, nope/rope]
+        c_kv, k_rope = self._latents(x)  # [B, T, kv_rank], [B, T, rope]
+        q_rope = rope.rotate(q_rope, cos[None, :, None, :], sin[None, :, None, :])
+        k_rope = rope.rotate(k_rope, cos[None], sin[None])
+        kv = self.kv_b_proj(c_kv).view(bsz, seq, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim :]
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # [B, heads, T, qk]
+        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        k = k.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), attn_mask=mask, scale=self.scale
+        )  # [B, heads, T, v]
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.v_dim))

@@ -1,0 +1,114 @@
+"""User-facing parameters of the engine: how to sample, how to speculate, how much memory to use.
+
+Frozen dataclasses validated on construction: a bad value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SpecMethod = Literal["none", "chain", "tree", "adaptive"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request (OpenAI semantics).
+
+    temperature 0 means greedy. ``top_p`` 1.0 and ``top_k`` 0 are off. Presence and frequency
+    penalties apply to tokens generated so far (as vLLM and OpenAI do). ``seed=None`` gives the
+    sequence its own fresh randomness; an int makes the request reproducible.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (0.0 <= float(self.temperature) <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = float(getattr(self, name))
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        ids = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return float(self.temperature) == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate with the model's MTP modules.
+
+    method:
+      - ``none``: plain autoregressive decoding.
+      - ``chain``: top-1 (or one sample) per depth, ``num_draft_tokens`` deep.
+      - ``tree``: EAGLE-2 style dynamic tree; ``None`` fields take the documented device defaults
+        (see ``engine.spec.defaults``).
+      - ``adaptive``: the scheduler picks the budget (including no speculation) per step.
+    topk: children expanded per frontier node (clamped to the vocabulary).
+    depth: maximum draft depth. Depths beyond the number of MTP modules reuse the last module
+    when ``reuse_last_module`` is set; otherwise depth is capped at the number of modules.
+    num_draft_tokens: draft nodes offered for verification per sequence and step (root excluded).
+    """
+
+    method: SpecMethod = "tree"
+    topk: int | None = None
+    depth: int | None = None
+    num_draft_tokens: int | None = None
+    reuse_last_module: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "chain", "tree", "adaptive"):
+            raise ValueError(
+                f"method must be one of 'none', 'chain', 'tree', 'adaptive', got {self.method!r}"
+            )
+        for name in ("topk", "depth", "num_draft_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resources of one engine: batch limit, KV memory, block size, prefill chunking."""
+
+    max_batch_size: int = 64
+    kv_memory_bytes: int | None = None  # None: a modest device default (CPU: 256 MiB)
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    prefill_chunk_tokens: int = 512
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")

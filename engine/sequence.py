@@ -1,0 +1,105 @@
+"""Sequence: the engine-side state of one request (or of one session across its turns).
+
+Token bookkeeping (docs/internals.md): ``tokens[:num_committed]`` have target KV entries;
+``tokens[num_committed:]`` still have to run through the target (the prompt during prefill, the
+single pending token while decoding).
+
+MTP state: module d (1-based) has KV entries for hidden indices ``0 .. mtp_committed[d-1] - 1``.
+Its row at hidden index t consumes the depth-(d-1) hidden state at t and token ``x_{t+d}``.
+``pending_hidden[d]`` holds depth-d hidden states (d = 0: the target's) that module d+1 has not
+consumed yet, starting at hidden index ``pending_start[d]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import SpecStats
+from engine.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    IDLE = "idle"  # a session between turns: keeps tokens and blocks
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    tokens: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    owner: str = ""
+    session_id: str | None = None
+    num_mtp_modules: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    num_committed: int = 0
+    output_start: int = 0  # index in tokens where this turn's generated tokens begin
+    num_prompt_tokens: int = 0  # prompt tokens of this turn
+    block_ids: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+    mtp_committed: list[int] = field(default_factory=list)
+    pending_hidden: list[torch.Tensor | None] = field(default_factory=list)
+    pending_start: list[int] = field(default_factory=list)
+    arrival_order: int = 0
+
+    def __post_init__(self) -> None:
+        k = self.num_mtp_modules
+        self.mtp_committed = [0] * k
+        self.pending_hidden = [None] * k
+        self.pending_start = [0] * k
+
+    # ---- views ----
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.output_start :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_committed
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the single pending token still has to run through the target."""
+        return self.num_uncomputed > 1 or len(self.tokens) == self.output_start
+
+    @property
+    def last_known_index(self) -> int:
+        return len(self.tokens) - 1
+
+    # ---- MTP hidden-state queue ----
+    def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:
+        """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1."""
+        if depth >= self.num_mtp_modules:
+            return  # the last module's outputs feed nobody
+        current = self.pending_hidden[depth]
+        if current is None or current.shape[0] == 0:
+            self.pending_hidden[depth] = rows
+            self.pending_start[depth] = start
+        else:
+            assert self.pending_start[depth] + current.shape[0] == start, "hidden rows out of order"
+            self.pending_hidden[depth] = torch.cat([current, rows], dim=0)
+
+    def take_hidden(self, depth: int, upto: int) -> tuple[int, torch.Tensor | None]:
+        """Remove and return depth-``depth`` rows with hidden index <= upto: (start, rows)."""
+        rows = self.pending_hidden[depth]
+        start = self.pending_start[depth]
+        if rows is None or upto < start:
+            return start, None
+        count = min(rows.shape[0], upto - start + 1)
+        taken, rest = rows[:count], rows[count:]
+        self.pending_hidden[depth] = rest
+        self.pending_start[depth] = start + count
+        return start, taken
+
+    def reset_mtp_state(self) -> None:
+        k = self.num_mtp_modules
+        self.mtp_committed = [0] * k
+        self.pending_hidden = [None] * k
+        self.pending_start = [0] * k

@@ -1,0 +1,367 @@
+"""The engine thread: the only code that ever touches an ``LLMEngine``.
+
+The engine is not thread-safe, so one thread owns it: it builds the engine, takes commands
+(submissions, aborts, session calls) from a thread-safe queue, admits waiting requests, calls
+``engine.step()`` and hands each request's outputs to that request's asyncio queue with
+``loop.call_soon_threadsafe``. Commands are run before every step, so an abort (a client that
+went away) frees and zeroes the request's KV blocks before the next step.
+
+Terms:
+  - *queued*: submitted, waiting in this loop's bounded queue (not yet given to the engine);
+  - *admitted*: handed to ``engine.add_request`` (the engine may still hold it in its own
+    waiting list; the loop keeps at most ``max_running`` requests inside the engine);
+  - *active*: queued or admitted and not finished; what a drain waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.serving.observer import LoopObserver, LoopStats, NullObserver
+from engine.serving.request_stream import (
+    LoopClosed,
+    QueueFull,
+    RequestFailed,
+    RequestStream,
+    StepOutput,
+)
+
+log = logging.getLogger("mtpserve.engine_loop")
+T = TypeVar("T")
+
+
+@dataclass
+class _Queued:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Any
+    session_id: str | None
+    owner: str
+    stream: RequestStream
+    submitted_at: float
+
+
+class EngineLoop:
+    """Runs ``engine_factory()`` and then the step loop on a dedicated thread."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        *,
+        max_waiting: int = 256,
+        max_running: int = 64,
+        observer: LoopObserver | None = None,
+        idle_poll_s: float = 0.02,
+    ) -> None:
+        self._factory = engine_factory
+        self._max_waiting = max_waiting
+        self._max_running = max_running
+        self._observer: LoopObserver = observer or NullObserver()
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._queued: deque[_Queued] = deque()  # loop thread only
+        self._streams: dict[str, RequestStream] = {}  # loop thread only: admitted requests
+        self._lock = threading.Lock()
+        self._num_queued = 0
+        self._num_active = 0
+        self._closed = False
+        self._stop_requested = False
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
+        self._engine: Any = None
+        self.load_error: BaseException | None = None
+        self.accepting = False
+        self.stats = LoopStats(0, 0, 0, 0)
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the engine is built (or failed to build); True when it is ready."""
+        self._ready.wait(timeout)
+        return self.ready
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.load_error is None and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    @property
+    def engine(self) -> Any:
+        """The engine, for its immutable attributes only (tokenizer, eos_token_ids,
+        max_model_len). Everything else goes through :meth:`call` on the loop thread."""
+        if not self.ready:
+            raise LoopClosed("the engine is not loaded")
+        return self._engine
+
+    @property
+    def num_active(self) -> int:
+        return self._num_active
+
+    async def drain(self, timeout: float) -> int:
+        """Stop accepting, wait up to ``timeout`` seconds for active requests, abort the rest.
+
+        Returns the number of requests that had to be aborted.
+        """
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self._num_active > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = self._num_active
+        if left and self.alive:
+            await self.call(lambda _engine: self._abort_all())
+        return left
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the thread to finish (after running the commands already queued) and join it."""
+        self.accepting = False
+        if self._thread.is_alive():
+            self._put(self._request_stop)
+            self._thread.join(timeout)
+
+    # ----------------------------------------------------------------- async API
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: Any,
+        *,
+        session_id: str | None = None,
+        owner: str = "",
+    ) -> RequestStream:
+        """Queue a request. Raises LoopClosed (not accepting) or QueueFull at once; engine
+        validation errors (``ValueError``) arrive through ``await stream.admitted``."""
+        if not self.accepting or not self.ready:
+            raise LoopClosed("the server is not accepting requests")
+        with self._lock:
+            if self._num_queued >= self._max_waiting:
+                raise QueueFull(f"the waiting queue is full ({self._max_waiting} requests)")
+            self._num_queued += 1
+            self._num_active += 1
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        item = _Queued(
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            session_id,
+            owner,
+            stream,
+            time.monotonic(),
+        )
+        try:
+            self._put(lambda: self._queued.append(item))
+        except LoopClosed:
+            self._count(queued=-1, active=-1)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its KV is freed and zeroed before the next step."""
+        try:
+            self._put(lambda: self._abort(request_id))
+        except LoopClosed:
+            pass
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the loop thread (between steps) and return its result."""
+        if self._engine is None or not self._thread.is_alive():
+            raise LoopClosed("the engine is not running")
+        aio_loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = aio_loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def run() -> None:
+            try:
+                result, error = fn(self._engine), None
+            except Exception as exc:  # handed to the awaiting coroutine
+                result, error = None, exc
+            try:
+                aio_loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # event loop already closed
+                pass
+
+        self._put(run)
+        return await future
+
+    # ----------------------------------------------------------------- loop thread
+    def _put(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise LoopClosed("the engine loop has stopped")
+            self._commands.put(command)
+
+    def _count(self, *, queued: int = 0, active: int = 0) -> None:
+        with self._lock:
+            self._num_queued += queued
+            self._num_active += active
+
+    def _request_stop(self) -> None:
+        self._stop_requested = True
+
+    def _run(self) -> None:
+        try:
+            self._engine = self._factory()
+        except BaseException as exc:  # reported through load_error and /ready
+            log.exception("engine failed to load")
+            self.load_error = exc
+            with self._lock:
+                self._closed = True
+            self._ready.set()
+            return
+        self.accepting = True
+        self._ready.set()
+        try:
+            while not self._stop_requested:
+                busy = bool(self._queued) or self._engine.has_unfinished_requests()
+                self._run_commands(block=not busy)
+                if self._stop_requested:
+                    break
+                self._admit()
+                if self._engine.has_unfinished_requests():
+                    self._step()
+                self._after_work()
+        except Exception:
+            log.exception("engine loop crashed")
+        finally:
+            self._shutdown()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_poll_s) if block else None
+        except queue.Empty:
+            return
+        while True:
+            if command is not None:
+                command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self) -> None:
+        engine = self._engine
+        while self._queued and engine.num_running + engine.num_waiting < self._max_running:
+            item = self._queued.popleft()
+            self._count(queued=-1)
+            try:
+                engine.add_request(
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.sampling,
+                    session_id=item.session_id,
+                    owner=item.owner,
+                )
+            except ValueError as exc:  # the client's input: becomes a 4xx
+                self._count(active=-1)
+                item.stream.set_admitted(exc)
+                continue
+            except Exception:
+                log.exception("add_request failed")
+                self._count(active=-1)
+                item.stream.set_admitted(RequestFailed("the engine could not take the request"))
+                continue
+            self._streams[item.request_id] = item.stream
+            item.stream.set_admitted(None)
+            self._observer.on_admit(item.owner, time.monotonic() - item.submitted_at)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self._engine.step()
+        except Exception:
+            log.exception("engine step failed; failing the running requests")
+            self._fail_all(RequestFailed("the engine failed while generating"))
+            return
+        self._observer.on_step(outputs, time.perf_counter() - started)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.deliver(StepOutput.from_engine(out))
+            if out.finished:
+                del self._streams[out.request_id]
+                self._count(active=-1)
+
+    def _after_work(self) -> None:
+        events = self._engine.drain_zero_events()
+        if events:
+            self._observer.on_zero_events(events)
+        engine = self._engine
+        stats = LoopStats(
+            running=engine.num_running,
+            waiting=len(self._queued) + engine.num_waiting,
+            kv_blocks_used=engine.kv_blocks_used,
+            kv_blocks_total=engine.kv_blocks_total,
+        )
+        if stats != self.stats:
+            self.stats = stats
+            self._observer.on_stats(stats)
+
+    def _abort(self, request_id: str) -> None:
+        for item in self._queued:
+            if item.request_id == request_id:
+                self._queued.remove(item)
+                self._count(queued=-1, active=-1)
+                item.stream.set_admitted(LoopClosed("aborted"))
+                return
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self._count(active=-1)
+        try:
+            self._engine.abort_request(request_id)
+        except Exception:
+            log.exception("abort_request failed")
+        stream.deliver(StepOutput.aborted(request_id))
+
+    def _abort_all(self) -> None:
+        for item in list(self._queued):
+            self._abort(item.request_id)
+        for request_id in list(self._streams):
+            self._abort(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort_request failed")
+            stream.deliver(error)
+            self._count(active=-1)
+        self._streams.clear()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.accepting = False
+        # Run what was queued before the stop (session closes zero memory), then fail the rest.
+        self._run_commands(block=False)
+        closed = LoopClosed("the server is shutting down")
+        for item in self._queued:
+            item.stream.set_admitted(closed)
+            self._count(queued=-1, active=-1)
+        self._queued.clear()
+        if self._engine is not None:
+            self._fail_all(closed)
+            events = self._engine.drain_zero_events()
+            if events:
+                self._observer.on_zero_events(events)

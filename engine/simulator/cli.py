@@ -1,0 +1,104 @@
+"""``mtpserve simulate``: predicted speedup of speculation, and the best tree per batch size.
+
+Usage::
+
+    mtpserve simulate --stats STATS.json --latency LATENCY.json [--budget N]
+        [--batch-sizes 1 2 4 ...] [--max-depth D] [--max-width K] [--tree SPEC|FILE]
+        [--measured RUNS.json] [--out simulate.png]
+
+Prints, per batch size, the budget and tree with the most predicted tokens/s (budget 0 = no
+speculation), draws the figure, and, when asked, the figures of one given tree (``--tree``:
+``chain:N``, ``kary:K:N`` or a JSON shape file) and the prediction error against measured runs
+(``--measured``, see ``validation.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.simulator.acceptance import AcceptanceStats
+from engine.simulator.expected import estimate, node_probabilities
+from engine.simulator.latency import LatencyModel
+from engine.simulator.optimizer import SpeculationPlanner
+from engine.simulator.report import format_estimates, format_plans, write_figure
+from engine.simulator.tree_shape import TreeShape
+from engine.simulator.validation import load_measured_runs, prediction_errors
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mtpserve simulate",
+        description="Predict the speedup of MTP tree speculation and choose the best tree.",
+    )
+    ap.add_argument("--stats", required=True, help="acceptance statistics JSON")
+    ap.add_argument("--latency", required=True, help="latency measurements JSON")
+    ap.add_argument("--budget", type=_positive, default=32, help="largest draft-node budget")
+    ap.add_argument("--batch-sizes", type=_positive, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--max-depth", type=_positive, default=None, help="deepest draft depth")
+    ap.add_argument("--max-width", type=_positive, default=None, help="most children per node")
+    ap.add_argument("--tree", default=None, help="also evaluate this shape (spec or JSON file)")
+    ap.add_argument("--measured", default=None, help="measured runs JSON: report the error")
+    ap.add_argument("--out", default="simulate.png", help="PNG to write")
+    return ap
+
+
+def _load_tree(spec: str) -> TreeShape:
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        try:
+            return TreeShape.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{spec}: not valid JSON ({exc.msg})") from exc
+    return TreeShape.parse(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mtpserve simulate`` with ``argv`` (the arguments after ``simulate``)."""
+    args = _parser().parse_args(argv)
+    try:
+        stats = AcceptanceStats.from_json(args.stats)
+        latency = LatencyModel.from_json(args.latency)
+        batch_sizes = sorted(set(args.batch_sizes))
+        planner = SpeculationPlanner(
+            stats, latency, range(args.budget + 1), args.max_depth, args.max_width
+        )
+        plans = [planner.plan(b) for b in batch_sizes]
+        print("Best speculation per batch size (budget 0 = autoregressive):")
+        print(format_plans(plans))
+        drawn = next((p for p in plans if p.budget > 0), None)
+        if drawn is None:  # speculation never pays: still show the best tree of the top budget
+            drawn = planner.plan_for_budget(batch_sizes[0], args.budget)
+        print(f"\nTree at batch {drawn.batch_size} (rank, path probability):")
+        print(drawn.shape.pretty(node_probabilities(drawn.shape, stats)))
+        print(f"widths per depth: {drawn.widths_per_depth()}")
+        if args.tree is not None:
+            shape = _load_tree(args.tree)
+            print(f"\nGiven tree {args.tree} ({shape.budget} nodes, depth {shape.max_depth}):")
+            print(format_estimates([estimate(shape, stats, latency, b) for b in batch_sizes]))
+        if args.measured is not None:
+            report = prediction_errors(stats, latency, load_measured_runs(args.measured))
+            print("\nPrediction error against measured runs:")
+            print(report.format())
+        write_figure(args.out, planner, batch_sizes, drawn, stats)
+        print(f"\nwrote {args.out}")
+    except (ValueError, OSError) as exc:
+        print(f"mtpserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Documented default draft-tree shapes per device, and SpecConfig -> TreeBudget resolution.
+
+CPU: compute grows with every verified token, so the default tree is narrow and deep enough to
+use the trained MTP modules (chosen by measurement on the demo model: see README, "Speculation
+defaults"). GPU: a verify step costs about the same for tens of tokens, so the tree is wider.
+"""
+
+from __future__ import annotations
+
+from engine.params import SpecConfig
+from engine.spec.drafter import TreeBudget
+
+CPU_TREE = TreeBudget(topk=2, depth=5, num_draft_tokens=8)
+GPU_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
+CHAIN_DEPTH = 4
+
+
+def resolve_budget(spec: SpecConfig, device_type: str, vocab_size: int) -> TreeBudget:
+    """The static budget of ``spec`` (``adaptive`` starts from the tree default)."""
+    if spec.method == "none":
+        return TreeBudget(topk=1, depth=0, num_draft_tokens=0)
+    if spec.method == "chain":
+        depth = spec.num_draft_tokens or spec.depth or CHAIN_DEPTH
+        return TreeBudget(topk=1, depth=depth, num_draft_tokens=depth)
+    base = GPU_TREE if device_type == "cuda" else CPU_TREE
+    topk = min(spec.topk or base.topk, vocab_size)
+    depth = spec.depth or base.depth
+    budget = spec.num_draft_tokens or base.num_draft_tokens
+    return TreeBudget(topk=topk, depth=depth, num_draft_tokens=budget)

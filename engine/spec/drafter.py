@@ -1,0 +1,288 @@
+"""MTPDrafter: catch up the MTP modules' latent KV and draft one tree per sequence.
+
+Terms (one sequence, K = index of the pending token x_K, which the target has not run yet):
+- MTP module d (1-based) at hidden index t consumes the depth-(d-1) hidden state at t (depth 0:
+  the target's final-normed hidden state) and the embedding of x_{t+d}; its output predicts
+  x_{t+d+1}. Its *committed* rows are those whose token x_{t+d} is known: t <= K - d.
+- Catch-up: after each target forward, module d runs over its new committed rows, writing its
+  own latent KV; the target's hidden states come from the verify pass itself, so no extra target
+  forward is needed. Module 1's row at K-1 (token x_K, the root) gives the depth-1 logits.
+- Drafting depth m >= 2: module m runs a row at hidden index K-1 for each frontier node n of
+  depth m-1 (token n, hidden state of n's parent's row); its output gives n's children.
+  Depths beyond the number of modules reuse the last module (``SpecConfig.reuse_last_module``).
+- Visibility: module d's row at t sees its own rows at indices <= t - (d - 1) and itself; the
+  recent rows it skips would need draft tokens (training uses the same band mask, see
+  ``mtp_band_mask``), so drafting computes exactly the trained function.
+
+All rows of one module for all sequences go through one batched forward. Frontier rows are
+written to scratch slots after the committed rows and zeroed right after the forward.
+
+Tree policy (EAGLE-2): each depth expands the ``topk`` best frontier nodes (by cumulative draft
+log-probability) with ``topk`` children each. Greedy requests take the top-k children and keep
+the best ``num_draft_tokens`` nodes of the whole tree; sampling requests draw the children
+without replacement from the draft distribution at the request's temperature / top-k / top-p,
+and keep the first ``num_draft_tokens`` nodes in creation order, which never depends on a
+child's own sampled value (the verifier's exactness condition, see ``engine.spec.tree``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batch_builder import SeqRows, build_batch
+from engine.kv.block_pool import BlockPool
+from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.sampling import probs_from_logits, sample_without_replacement
+from engine.sequence import Sequence
+from engine.spec.tree import DraftTree, select_best_nodes
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """Shape limits of one step's trees (root excluded)."""
+
+    topk: int
+    depth: int
+    num_draft_tokens: int
+
+    @property
+    def speculates(self) -> bool:
+        return self.num_draft_tokens > 0 and self.depth > 0
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index in the node list, -1 for the root
+    depth: int
+    score: float  # cumulative draft log-probability
+    hidden: torch.Tensor | None = None  # output of the row fed with this node's token
+
+
+@dataclass
+class _SeqDraft:
+    seq: Sequence
+    nodes: list[_Node] = field(default_factory=list)
+    frontier: list[int] = field(default_factory=list)
+    child_q: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class MTPDrafter:
+    def __init__(self, model: DeepseekV3ForCausalLM, pool: BlockPool, reuse_last_module: bool) -> None:
+        self.model = model
+        self.pool = pool
+        self.num_modules = model.config.num_mtp_modules
+        self.reuse_last_module = reuse_last_module
+        self.device = pool.kv_cache.device
+
+    # ---- catch-up only (used when a step does not speculate) ----
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Bring every module's committed rows up to date without drafting."""
+        for depth in range(1, self.num_modules + 1):
+            rows, owners = [], []
+            for seq in seqs:
+                spec = self._catch_up_rows(seq, depth)
+                if spec is not None:
+                    rows.append(spec)
+                    owners.append(seq)
+            if rows:
+                self._run_module(depth, [r for r, _, _ in rows], owners, [s for _, s, _ in rows],
+                                 [n for _, _, n in rows], [[] for _ in rows])
+
+    # ---- catch-up + drafting ----
+    def draft(self, seqs: list[Sequence], budget: TreeBudget) -> list[DraftTree]:
+        max_depth = budget.depth
+        if not self.reuse_last_module:
+            max_depth = min(max_depth, self.num_modules)
+        drafts = [_SeqDraft(seq, nodes=[_Node(seq.tokens[-1], -1, 0, 0.0)], frontier=[0]) for seq in seqs]
+        for m in range(1, max_depth + 1):
+            module = min(m, self.num_modules)
+            rows: list[SeqRows] = []
+            owners: list[Sequence] = []
+            starts: list[int] = []
+            catch_counts: list[int] = []
+            frontier_nodes: list[list[int]] = []
+            for d in drafts:
+                seq = d.seq
+                k_idx = len(seq.tokens) - 1
+                spec = self._catch_up_rows(seq, m) if m <= self.num_modules else None
+                if spec is None:
+                    ctx = seq.mtp_committed[module - 1]
+                    spec = (SeqRows(seq.block_ids, ctx, [], [], torch.zeros(0, 0, dtype=torch.bool)), ctx, 0)
+                base, start, n_catch = spec
+                front = d.frontier if m >= 2 else []
+                base = self._add_frontier_rows(base, d, front, k_idx, m)
+                rows.append(base)
+                owners.append(seq)
+                starts.append(start)
+                catch_counts.append(n_catch)
+                frontier_nodes.append(front)
+            frontier_hidden = self._run_module(module, rows, owners, starts, catch_counts, frontier_nodes,
+                                               frontier_prev=[d for d in drafts], depth=m)
+            self._expand(drafts, frontier_hidden, m, budget)
+        return [self._finish_tree(d, budget) for d in drafts]
+
+    # ---- row construction ----
+    def _catch_up_rows(self, seq: Sequence, depth: int) -> tuple[SeqRows, int, int] | None:
+        """Module ``depth``'s committed rows not yet computed: (rows, first index, count)."""
+        k_idx = len(seq.tokens) - 1
+        start, prev = seq.take_hidden(depth - 1, upto=k_idx - depth)
+        ctx = seq.mtp_committed[depth - 1]
+        if prev is None or prev.shape[0] == 0:
+            return None
+        assert start == ctx, f"module {depth}: hidden rows start at {start}, committed {ctx}"
+        n = prev.shape[0]
+        hidden_idx = list(range(start, start + n))
+        tokens = [seq.tokens[t + depth] for t in hidden_idx]
+        positions = [t + depth for t in hidden_idx]
+        band = max(depth - 1, 1)
+        idx = torch.arange(n)
+        diff = idx[:, None] - idx[None, :]
+        mask = (diff == 0) | (diff >= band)
+        query_ctx = [min(ctx, t - depth + 2) for t in hidden_idx]
+        rows = SeqRows(seq.block_ids, ctx, tokens, positions, mask, query_ctx)
+        rows.prev_hidden = prev  # type: ignore[attr-defined]
+        return rows, start, n
+
+    def _add_frontier_rows(
+        self, base: SeqRows, d: _SeqDraft, front: list[int], k_idx: int, m: int
+    ) -> SeqRows:
+        n_catch = len(base.token_ids)
+        prev_rows = [getattr(base, "prev_hidden", None)]
+        if not front:
+            base.prev_hidden = prev_rows[0]  # type: ignore[attr-defined]
+            return base
+        n = n_catch + len(front)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[:n_catch, :n_catch] = base.mask
+        mask[n_catch:, :n_catch] = True
+        mask[n_catch:, n_catch:] = torch.eye(len(front), dtype=torch.bool)
+        tokens = base.token_ids + [d.nodes[i].token for i in front]
+        positions = base.positions + [k_idx + m - 1] * len(front)
+        query_ctx = (base.query_ctx_lens or []) + [base.ctx_len] * len(front)
+        parents_hidden = [d.nodes[d.nodes[i].parent].hidden for i in front]
+        stacked = torch.stack([h for h in parents_hidden if h is not None])
+        prev = stacked if prev_rows[0] is None else torch.cat([prev_rows[0], stacked])
+        rows = SeqRows(base.block_ids, base.ctx_len, tokens, positions, mask, query_ctx)
+        rows.prev_hidden = prev  # type: ignore[attr-defined]
+        return rows
+
+    # ---- forward of one module over all sequences ----
+    def _run_module(
+        self,
+        module: int,
+        rows: list[SeqRows],
+        owners: list[Sequence],
+        starts: list[int],
+        catch_counts: list[int],
+        frontier_nodes: list[list[int]],
+        frontier_prev: list[_SeqDraft] | None = None,
+        depth: int = 0,
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Run module ``module``; commit catch-up rows; return per sequence
+        (hidden of its row at K-1 for depth 1 else None, frontier hidden [f, H] or None)."""
+        ids, batch = build_batch(rows, self.pool.block_size, self.device)
+        prev = torch.cat([r.prev_hidden for r in rows if getattr(r, "prev_hidden", None) is not None])  # type: ignore[attr-defined]
+        cache_layer = self.model.mtp_cache_layer(module)
+        hidden = self.model.forward_mtp(module, prev, ids, batch, self.pool.kv_cache)
+        out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        offset = 0
+        scratch: list[int] = []
+        for seq, r, start, n_catch, front in zip(owners, rows, starts, catch_counts, frontier_nodes, strict=True):
+            n = len(r.token_ids)
+            h = hidden[offset : offset + n]
+            if n_catch:
+                seq.mtp_committed[module - 1] += n_catch
+                seq.push_hidden(module, start, h[:n_catch])
+            last_row = h[n_catch - 1] if (n_catch and start + n_catch - 1 == len(seq.tokens) - 2) else None
+            out.append((last_row, h[n_catch:] if front else None))
+            if front:
+                scratch.extend(batch.slot_mapping[offset + n_catch : offset + n].tolist())
+            offset += n
+        if scratch:  # frontier rows were drafts: no remanence in the MTP cache
+            self.pool.zero_slots(torch.tensor(scratch), slice(cache_layer, cache_layer + 1))
+        return out
+
+    # ---- tree growth ----
+    def _expand(
+        self,
+        drafts: list[_SeqDraft],
+        results: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+        m: int,
+        budget: TreeBudget,
+    ) -> None:
+        """Turn each frontier row's hidden state into children at depth m."""
+        parents_per_seq: list[list[int]] = []
+        hiddens: list[torch.Tensor] = []
+        for d, (root_hidden, front_hidden) in zip(drafts, results, strict=True):
+            if m == 1:
+                if root_hidden is None:
+                    parents_per_seq.append([])
+                    continue
+                d.nodes[0].hidden = root_hidden
+                parents_per_seq.append([0])
+                hiddens.append(root_hidden[None])
+            else:
+                front = d.frontier
+                if front_hidden is not None:
+                    for i, node_idx in enumerate(front):
+                        d.nodes[node_idx].hidden = front_hidden[i]
+                    hiddens.append(front_hidden)
+                parents_per_seq.append(front if front_hidden is not None else [])
+        if not hiddens:
+            for d in drafts:
+                d.frontier = []
+            return
+        logits = self.model.logits(torch.cat(hiddens))  # [rows, V]
+        topk = min(budget.topk, logits.shape[-1])
+        row = 0
+        for d, parents in zip(drafts, parents_per_seq, strict=True):
+            new_nodes: list[int] = []
+            params = d.seq.sampling
+            for parent in parents:
+                row_logits = logits[row]
+                row += 1
+                if params.greedy:
+                    logq = torch.log_softmax(row_logits, dim=-1)
+                    values, tokens = logq.topk(topk)
+                    picks = list(zip(tokens.tolist(), values.tolist(), strict=True))
+                else:
+                    q = probs_from_logits(
+                        row_logits[None],
+                        torch.tensor([params.temperature]),
+                        torch.tensor([params.top_k]),
+                        torch.tensor([params.top_p]),
+                    )[0]
+                    d.child_q[parent] = q
+                    drawn = sample_without_replacement(q, topk, d.seq.generator)
+                    picks = [(t, float(torch.log(q[t]))) for t in drawn]
+                for token, logp in picks:
+                    d.nodes.append(_Node(token, parent, m, d.nodes[parent].score + logp))
+                    new_nodes.append(len(d.nodes) - 1)
+            # Next frontier: the best `topk` new nodes (depends only on the nodes' own values).
+            new_nodes.sort(key=lambda i: -d.nodes[i].score)
+            d.frontier = sorted(new_nodes[: budget.topk])
+            if not params.greedy and len(d.nodes) - 1 >= budget.num_draft_tokens:
+                d.frontier = []  # creation order already fills the budget
+
+    def _finish_tree(self, d: _SeqDraft, budget: TreeBudget) -> DraftTree:
+        cands = d.nodes[1:]
+        root_token = d.nodes[0].token
+        if not cands:
+            return DraftTree([root_token], [-1])
+        if d.seq.sampling.greedy:
+            parents = torch.tensor([n.parent - 1 for n in cands])  # candidate index space
+            scores = torch.tensor([n.score for n in cands], dtype=torch.float64)
+            keep = select_best_nodes(scores, parents, budget.num_draft_tokens)
+            return DraftTree.from_candidates(
+                root_token, [n.token for n in cands], parents, keep
+            )
+        # Sampling: the first num_draft_tokens nodes in creation order (ancestor-closed).
+        count = min(budget.num_draft_tokens, len(cands)) + 1
+        tokens = [n.token for n in d.nodes[:count]]
+        parents_list = [n.parent for n in d.nodes[:count]]
+        child_q = [d.child_q.get(i) if any(p == i for p in parents_list) else None for i in range(count)]
+        wor = [q is not None for q in child_q]
+        return DraftTree(tokens, parents_list, child_q=child_q, child_sampled_without_replacement=wor)

@@ -1,0 +1,65 @@
+"""Closed-form expectations on small hand-computed trees."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.simulator.acceptance import AcceptanceStats
+from engine.simulator.expected import (
+    estimate,
+    expected_accepted_per_position,
+    expected_length,
+    step_seconds,
+)
+from engine.simulator.latency import LatencyModel
+from engine.simulator.tree_shape import TreeShape
+
+
+def test_chain_of_two() -> None:
+    stats = AcceptanceStats.chain([0.8, 0.5])
+    assert expected_length(TreeShape.chain(2), stats) == pytest.approx(1 + 0.8 + 0.4)
+
+
+def test_root_with_two_ranked_children() -> None:
+    stats = AcceptanceStats(((0.6, 0.2),))
+    assert expected_length(TreeShape.kary(2, 2), stats) == pytest.approx(1.8)
+
+
+def test_mixed_tree_and_per_position_rates() -> None:
+    # root -> a (r0), b (r1); a -> c (r0), d (r1); c -> e (r0); depth 3 reuses depth 2's row
+    stats = AcceptanceStats(((0.6, 0.2), (0.5, 0.3)))
+    shape = TreeShape.from_nested([[[[]], []], []])
+    a, b = 0.6, 0.2
+    c, d = a * 0.5, a * 0.3
+    e = c * 0.5
+    assert expected_length(shape, stats) == pytest.approx(1 + a + b + c + d + e)
+    assert expected_accepted_per_position(shape, stats) == pytest.approx([a + b, c + d, e])
+
+
+def test_throughput_and_speedup_with_the_analytic_latency() -> None:
+    stats = AcceptanceStats.chain([0.8, 0.5])
+    lat = LatencyModel.analytic(0.010, 0.001, 0.002, 0.0005, step_overhead_seconds=0.001)
+    shape = TreeShape.chain(2)
+    b = 4
+    # verify 3 tokens + two draft depths of 1 token each + overhead
+    seconds = (0.010 + 0.001 * b * 3) + 2 * (0.002 + 0.0005 * b) + 0.001
+    assert step_seconds(shape, lat, b) == pytest.approx(seconds)
+    est = estimate(shape, stats, lat, b)
+    assert est.tokens_per_s == pytest.approx(b * 2.2 / seconds)
+    assert est.ar_tokens_per_s == pytest.approx(b / (0.010 + 0.001 * b))
+    assert est.speedup == pytest.approx((2.2 / seconds) * (0.010 + 0.001 * b))
+
+
+def test_draft_cost_counts_the_expanded_nodes_per_depth() -> None:
+    lat = LatencyModel.analytic(1.0, 0.0, 0.0, 1.0)
+    shape = TreeShape.from_nested([[[], []], [[]], []])  # depth 0: 1 expanded, depth 1: 2
+    assert shape.expanded_per_depth() == [1, 2]
+    assert step_seconds(shape, lat, 1) == pytest.approx(1.0 + 1 + 2)
+
+
+def test_no_speculation_is_the_autoregressive_baseline() -> None:
+    stats = AcceptanceStats.chain([0.9])
+    lat = LatencyModel.analytic(0.01, 0.001, 0.5, 0.5, step_overhead_seconds=1.0)
+    est = estimate(TreeShape.root_only(), stats, lat, 8)
+    assert est.expected_length == 1.0
+    assert est.speedup == pytest.approx(1.0)
