@@ -19,12 +19,12 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 
-# torch first, so the later `pip install` finds it satisfied and never pulls PyPI's default (CUDA)
-# wheel into the CPU image: with both indexes, pip prefers 2.13.0+cpu (or +cu128) over plain
-# 2.13.0, since a local version label sorts higher.
+# torch first (its version comes from the constraints), so the later `pip install` finds it
+# satisfied and never pulls PyPI's default (CUDA) wheel into the CPU image: with both indexes,
+# pip prefers 2.13.0+cpu (or +cu128) over plain 2.13.0, since a local version label sorts higher.
 COPY deploy/constraints.txt /tmp/constraints.txt
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --extra-index-url "${TORCH_INDEX_URL}" -c /tmp/constraints.txt "torch==2.13.0"
+    pip install --extra-index-url "${TORCH_INDEX_URL}" -c /tmp/constraints.txt torch
 
 # Then every other dependency at the version in deploy/constraints.txt, and the package itself
 # (not editable: the run stage copies only the virtual environment).

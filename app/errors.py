@@ -86,9 +86,17 @@ def unavailable(message: str, code: str = "unavailable") -> APIError:
     return APIError(503, message, code=code, headers={"Retry-After": "5"})
 
 
+_LOC_SKIP = {"body", "query", "path", "header", "str", "int", "float", "bool", "list", "dict"}
+
+
 def validation_param(loc: tuple[Any, ...]) -> str | None:
-    """``("body", "messages", 0, "role")`` -> ``"messages.0.role"``."""
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    """``("body", "messages", 0, "role")`` -> ``"messages.0.role"``; union-member tags that
+    pydantic puts in locations (``"list[str]"``, ``"function-after[...]"``) are dropped."""
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (p not in _LOC_SKIP and "[" not in p and "-" not in p)
+    ]
     return ".".join(parts) or None
 
 
@@ -100,7 +108,10 @@ async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first: Any = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # Within a union, the member that got furthest (deepest location) explains best.
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first["loc"])[:2]]
+    first = max(same_field or [first], key=lambda e: len(e.get("loc", ())))
     if first.get("type") == "json_invalid":
         return error_response(
             bad_request("The request body is not valid JSON.", code="json_invalid")

@@ -76,6 +76,7 @@ class Generation:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
         self._closed = False
         tok = service.engine.tokenizer
         self._detok = IncrementalDetokenizer(tok, inp.prompt_token_ids) if tok else None
@@ -155,6 +156,7 @@ class Generation:
                 metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now
         if out.finish_reason != "abort":
+            self.token_ids.extend(out.new_token_ids)
             self.completion_tokens = max(self.completion_tokens, out.num_generated)
             self.stats = out.stats or self.stats
         if self._detok is None:

@@ -36,7 +36,13 @@ def _headers(gen: Generation) -> dict[str, str]:
 
 
 async def completion_response(
-    gen: Generation, request: Request, *, stream: bool, include_usage: bool, model: str
+    gen: Generation,
+    request: Request,
+    *,
+    stream: bool,
+    include_usage: bool,
+    model: str,
+    return_token_ids: bool = False,
 ) -> Response:
     base = {"id": gen.request_id, "object": "text_completion", "created": gen.created}
     base["model"] = model
@@ -58,14 +64,26 @@ async def completion_response(
         id=gen.request_id,
         created=gen.created,
         model=model,
-        choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason)],
+        choices=[
+            CompletionChoice(
+                text=text,
+                finish_reason=gen.finish_reason,
+                token_ids=list(gen.token_ids) if return_token_ids else None,
+            )
+        ],
         usage=gen.usage(),
     )
     return JSONResponse(body.model_dump(exclude_none=True), headers=_headers(gen))
 
 
 async def chat_response(
-    gen: Generation, request: Request, *, stream: bool, include_usage: bool, model: str
+    gen: Generation,
+    request: Request,
+    *,
+    stream: bool,
+    include_usage: bool,
+    model: str,
+    return_token_ids: bool = False,
 ) -> Response:
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created}
     base["model"] = model
@@ -91,7 +109,11 @@ async def chat_response(
         created=gen.created,
         model=model,
         choices=[
-            ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)
+            ChatChoice(
+                message=AssistantMessage(content=text),
+                finish_reason=gen.finish_reason,
+                token_ids=list(gen.token_ids) if return_token_ids else None,
+            )
         ],
         usage=gen.usage(),
     )

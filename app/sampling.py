@@ -44,6 +44,7 @@ def build_sampling(
             frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed,
             stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=bool(req.ignore_eos),
         )
     except ValueError as exc:  # messages name the field and quote only numbers
         field = str(exc).split(" ", 1)[0]

@@ -40,6 +40,10 @@ class SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=128)
     user: str | None = Field(None, max_length=256)
+    # vLLM extension: also return the generated token ids (non-streamed responses).
+    return_token_ids: bool | None = False
+    # vLLM extension: keep generating past EOS (benchmarks, tests).
+    ignore_eos: bool | None = False
     # Accepted only with their default meaning (see _defaults_only).
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
@@ -205,6 +209,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # only with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -226,6 +231,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # only with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):

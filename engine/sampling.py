@@ -89,8 +89,8 @@ def apply_penalties(
     """OpenAI penalties: ``logits - frequency * count - presence * (count > 0)`` (new tensor)."""
     if logits.shape != counts.shape:
         raise ValueError(f"counts shape {tuple(counts.shape)} != logits {tuple(logits.shape)}")
-    freq = frequency.to(logits.dtype)[:, None]  # [N, 1]
-    pres = presence.to(logits.dtype)[:, None]  # [N, 1]
+    freq = frequency.to(device=logits.device, dtype=logits.dtype)[:, None]  # [N, 1]
+    pres = presence.to(device=logits.device, dtype=logits.dtype)[:, None]  # [N, 1]
     return logits - freq * counts.to(logits.dtype) - pres * (counts > 0).to(logits.dtype)
 
 

@@ -185,7 +185,7 @@ TINY = Preset(
     max_train_bytes=2_000_000,
     tokenizer_sample_bytes=2_000_000,
     heldout_fraction=0.2,
-    max_shard_bytes=40_000,
+    max_shard_bytes=100_000,
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (DEMO, GPU, TINY)}

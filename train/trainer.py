@@ -237,7 +237,8 @@ class Trainer:
                 self._save(opt)
                 t_prev = time.monotonic()
         bar.close()
-        self._eval_and_track(phase)
+        if not st.history or (st.history[-1]["phase"], st.history[-1]["step"]) != (phase, st.step):
+            self._eval_and_track(phase)
         self._finish_phase(phase)
         self._save(None)
 

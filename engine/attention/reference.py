@@ -133,9 +133,7 @@ def _attend_group(
     qpos = torch.arange(max_q, device=device)  # [Q]
     q_ok = qpos[None, :] < num_new[:, None]  # [g, Q]
     qidx = torch.where(q_ok, starts[:, None] + qpos[None, :], 0)  # [g, Q] token index
-    q = q_all[qidx].float().reshape(g, max_q * num_heads, entry_dim)  # [g, Q*H, R + P]
-    scores = torch.bmm(q, keys.transpose(1, 2)).view(g, max_q, num_heads, max_s)  # [g, Q, H, S]
-    scores.mul_(scale)
+    q = q_all[qidx].float().mul_(scale).view(g, max_q * num_heads, entry_dim)  # [g, Q*H, R + P]
 
     # Committed keys: pos < ctx_b, or pos < query_ctx_lens[n] when given.
     committed_limit = ctx[:, None].expand(g, max_q)  # [g, Q]
@@ -146,15 +144,13 @@ def _attend_group(
     j = pos[None, :] - ctx[:, None]  # [g, S]
     is_new = (j >= 0) & key_ok  # [g, S]
     j_col = j.clamp(0, new_mask.shape[1] - 1)[:, None, :].expand(g, max_q, max_s)  # [g, Q, S]
-    new_vis = new_mask[qidx].gather(2, j_col) & is_new[:, None, :]  # [g, Q, S]
-    visible = (visible | new_vis) & q_ok[:, :, None]  # [g, Q, S]
+    visible |= new_mask[qidx].gather(2, j_col) & is_new[:, None, :]  # [g, Q, S]
+    bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
 
-    scores.masked_fill_(~visible[:, :, None, :], float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)  # [g, Q, H, 1]
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # all-masked rows -> 0
-    probs = torch.exp(scores - row_max)  # [g, Q, H, S]; masked -> 0
-    denom = probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    probs = (probs / denom).view(g, max_q * num_heads, max_s)  # [g, Q*H, S]
+    scores = torch.bmm(q, keys.transpose(1, 2)).view(g, max_q, num_heads, max_s)  # [g, Q, H, S]
+    probs = torch.softmax(scores.add_(bias[:, :, None, :]), dim=-1)  # rows with no key: NaN
     values = keys[:, :, :rank]  # [g, S, R]
-    o = torch.bmm(probs, values).view(g, max_q, num_heads, rank)  # [g, Q, H, R]
-    out[qidx[q_ok]] = o[q_ok].to(out.dtype)
+    o = torch.bmm(probs.view(g, max_q * num_heads, max_s), values)  # [g, Q*H, R]
+    o = o.view(g, max_q, num_heads, rank)  # [g, Q, H, R]
+    keep = q_ok & visible.any(dim=-1)  # [g, Q] real queries that see at least one key
+    out[qidx[keep]] = o[keep].to(out.dtype)

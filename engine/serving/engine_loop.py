@@ -194,6 +194,8 @@ class EngineLoop:
                 result, error = fn(self._engine), None
             except Exception as exc:  # handed to the awaiting coroutine
                 result, error = None, exc
+            # Audit KV zeroing (a closed session) before the caller sees the result.
+            self._flush_zero_events()
             try:
                 aio_loop.call_soon_threadsafe(settle, result, error)
             except RuntimeError:  # event loop already closed
@@ -302,9 +304,7 @@ class EngineLoop:
                 self._count(active=-1)
 
     def _after_work(self) -> None:
-        events = self._engine.drain_zero_events()
-        if events:
-            self._observer.on_zero_events(events)
+        self._flush_zero_events()
         engine = self._engine
         stats = LoopStats(
             running=engine.num_running,
@@ -315,6 +315,11 @@ class EngineLoop:
         if stats != self.stats:
             self.stats = stats
             self._observer.on_stats(stats)
+
+    def _flush_zero_events(self) -> None:
+        events = self._engine.drain_zero_events()
+        if events:
+            self._observer.on_zero_events(events)
 
     def _abort(self, request_id: str) -> None:
         for item in self._queued:
@@ -362,6 +367,4 @@ class EngineLoop:
         self._queued.clear()
         if self._engine is not None:
             self._fail_all(closed)
-            events = self._engine.drain_zero_events()
-            if events:
-                self._observer.on_zero_events(events)
+            self._flush_zero_events()

@@ -70,7 +70,9 @@ class _SeqDraft:
 
 
 class MTPDrafter:
-    def __init__(self, model: DeepseekV3ForCausalLM, pool: BlockPool, reuse_last_module: bool) -> None:
+    def __init__(
+        self, model: DeepseekV3ForCausalLM, pool: BlockPool, reuse_last_module: bool
+    ) -> None:
         self.model = model
         self.pool = pool
         self.num_modules = model.config.num_mtp_modules
@@ -88,15 +90,23 @@ class MTPDrafter:
                     rows.append(spec)
                     owners.append(seq)
             if rows:
-                self._run_module(depth, [r for r, _, _ in rows], owners, [s for _, s, _ in rows],
-                                 [n for _, _, n in rows], [[] for _ in rows])
+                self._run_module(
+                    depth,
+                    [r for r, _, _ in rows],
+                    owners,
+                    [s for _, s, _ in rows],
+                    [n for _, _, n in rows],
+                    [[] for _ in rows],
+                )
 
     # ---- catch-up + drafting ----
     def draft(self, seqs: list[Sequence], budget: TreeBudget) -> list[DraftTree]:
         max_depth = budget.depth
         if not self.reuse_last_module:
             max_depth = min(max_depth, self.num_modules)
-        drafts = [_SeqDraft(seq, nodes=[_Node(seq.tokens[-1], -1, 0, 0.0)], frontier=[0]) for seq in seqs]
+        drafts = [
+            _SeqDraft(seq, nodes=[_Node(seq.tokens[-1], -1, 0, 0.0)], frontier=[0]) for seq in seqs
+        ]
         for m in range(1, max_depth + 1):
             module = min(m, self.num_modules)
             rows: list[SeqRows] = []
@@ -110,7 +120,11 @@ class MTPDrafter:
                 spec = self._catch_up_rows(seq, m) if m <= self.num_modules else None
                 if spec is None:
                     ctx = seq.mtp_committed[module - 1]
-                    spec = (SeqRows(seq.block_ids, ctx, [], [], torch.zeros(0, 0, dtype=torch.bool)), ctx, 0)
+                    spec = (
+                        SeqRows(seq.block_ids, ctx, [], [], torch.zeros(0, 0, dtype=torch.bool)),
+                        ctx,
+                        0,
+                    )
                 base, start, n_catch = spec
                 front = d.frontier if m >= 2 else []
                 base = self._add_frontier_rows(base, d, front, k_idx, m)
@@ -119,8 +133,16 @@ class MTPDrafter:
                 starts.append(start)
                 catch_counts.append(n_catch)
                 frontier_nodes.append(front)
-            frontier_hidden = self._run_module(module, rows, owners, starts, catch_counts, frontier_nodes,
-                                               frontier_prev=[d for d in drafts], depth=m)
+            frontier_hidden = self._run_module(
+                module,
+                rows,
+                owners,
+                starts,
+                catch_counts,
+                frontier_nodes,
+                frontier_prev=[d for d in drafts],
+                depth=m,
+            )
             self._expand(drafts, frontier_hidden, m, budget)
         return [self._finish_tree(d, budget) for d in drafts]
 
@@ -183,20 +205,30 @@ class MTPDrafter:
     ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Run module ``module``; commit catch-up rows; return per sequence
         (hidden of its row at K-1 for depth 1 else None, frontier hidden [f, H] or None)."""
-        ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        prev = torch.cat([r.prev_hidden for r in rows if getattr(r, "prev_hidden", None) is not None])  # type: ignore[attr-defined]
+        out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        active = [r for r in rows if r.token_ids]
+        if not active:
+            return [(None, None) for _ in rows]
+        ids, batch = build_batch(active, self.pool.block_size, self.device)
+        prev = torch.cat([r.prev_hidden for r in active])  # type: ignore[attr-defined]
         cache_layer = self.model.mtp_cache_layer(module)
         hidden = self.model.forward_mtp(module, prev, ids, batch, self.pool.kv_cache)
-        out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         offset = 0
         scratch: list[int] = []
-        for seq, r, start, n_catch, front in zip(owners, rows, starts, catch_counts, frontier_nodes, strict=True):
+        for seq, r, start, n_catch, front in zip(
+            owners, rows, starts, catch_counts, frontier_nodes, strict=True
+        ):
             n = len(r.token_ids)
+            if n == 0:
+                out.append((None, None))
+                continue
             h = hidden[offset : offset + n]
             if n_catch:
                 seq.mtp_committed[module - 1] += n_catch
                 seq.push_hidden(module, start, h[:n_catch])
-            last_row = h[n_catch - 1] if (n_catch and start + n_catch - 1 == len(seq.tokens) - 2) else None
+            last_row = (
+                h[n_catch - 1] if (n_catch and start + n_catch - 1 == len(seq.tokens) - 2) else None
+            )
             out.append((last_row, h[n_catch:] if front else None))
             if front:
                 scratch.extend(batch.slot_mapping[offset + n_catch : offset + n].tolist())
@@ -276,13 +308,15 @@ class MTPDrafter:
             parents = torch.tensor([n.parent - 1 for n in cands])  # candidate index space
             scores = torch.tensor([n.score for n in cands], dtype=torch.float64)
             keep = select_best_nodes(scores, parents, budget.num_draft_tokens)
-            return DraftTree.from_candidates(
-                root_token, [n.token for n in cands], parents, keep
-            )
+            return DraftTree.from_candidates(root_token, [n.token for n in cands], parents, keep)
         # Sampling: the first num_draft_tokens nodes in creation order (ancestor-closed).
         count = min(budget.num_draft_tokens, len(cands)) + 1
         tokens = [n.token for n in d.nodes[:count]]
         parents_list = [n.parent for n in d.nodes[:count]]
-        child_q = [d.child_q.get(i) if any(p == i for p in parents_list) else None for i in range(count)]
+        child_q = [
+            d.child_q.get(i) if any(p == i for p in parents_list) else None for i in range(count)
+        ]
         wor = [q is not None for q in child_q]
-        return DraftTree(tokens, parents_list, child_q=child_q, child_sampled_without_replacement=wor)
+        return DraftTree(
+            tokens, parents_list, child_q=child_q, child_sampled_without_replacement=wor
+        )

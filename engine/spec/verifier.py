@@ -118,13 +118,18 @@ def verify_sampling(
     node, path = 0, [0]
     while True:
         p = target_probs[node].float()  # [V] current target law (normalised lazily)
+        children = tree.children(node)
+        if not children:  # a leaf: the bonus token comes straight from the target
+            return AcceptResult(accepted=path, bonus_token=sample_from_probs(p, generator))
         mass = float(p.sum())
+        if not mass > 0.0:
+            raise ValueError(f"target_probs row {node} has no positive mass")
         q = tree.child_q[node]  # [V] or None
         q_cur = None if q is None else q.to(p) / q.sum().to(p)  # [V] current draft law
         without_replacement = tree.child_sampled_without_replacement[node]
         owned = False  # p is a view of target_probs until we first modify it
         accepted_child = None
-        for child in tree.children(node):
+        for child in children:
             x = tree.token_list[child]
             px = float(p[x]) / mass
             if q_cur is None:

@@ -37,7 +37,9 @@ def require_tool(name: str) -> str:
     """The tool's path; fail (never skip): `make test` installs it through `make system-deps`."""
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"`{name}` is not installed: run `make system-deps` (Debian package prometheus)")
+        pytest.fail(
+            f"`{name}` is not installed: run `make system-deps` (Debian package prometheus)"
+        )
     return path
 
 

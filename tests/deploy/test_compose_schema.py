@@ -40,8 +40,10 @@ def test_valid_against_compose_specification(name: str) -> None:
     schema = json.loads(COMPOSE_SCHEMA.read_text())
     # The file names draft 7 by a URL jsonschema does not recognise (no trailing "#").
     validator = jsonschema.Draft7Validator(schema)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in validator.iter_errors(load_yaml(REPO / name))]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(load_yaml(REPO / name))
+    ]
     assert errors == []
 
 
@@ -140,6 +142,7 @@ def test_read_only_root_filesystem_with_tmpfs_and_cache_volume() -> None:
         assert "ALL" in service["cap_drop"], name
         assert "no-new-privileges:true" in service["security_opt"], name
     assert any(t.split(":")[0] == "/tmp" for t in MTP["tmpfs"])
+    assert MTP["ulimits"]["core"] == 0  # a core dump would put tenants' data on disk
     cache = _mount(MTP, "/var/cache/mtpserve")
     assert cache["type"] == "volume" and cache["source"] in COMPOSE["volumes"]
 
@@ -148,7 +151,7 @@ _SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|API_?KEY|CREDENTIAL", re.IGNOR
 
 
 def test_no_hard_coded_secrets() -> None:
-    for name, service in SERVICES.items():
+    for service in SERVICES.values():
         for key, value in service.get("environment", {}).items():
             if _SECRET_NAME.search(key):
                 # Only a path to a mounted secret file may be written here.
@@ -186,3 +189,12 @@ def test_gpu_override_reserves_nvidia_gpus() -> None:
     # The CPU image cannot use the GPUs it is given: the override must build the CUDA variant.
     assert service["build"]["args"]["TORCH_VARIANT"].startswith("cu")
     assert service["environment"]["MTPSERVE_DEVICE"] == "cuda"
+
+
+def test_example_tenants_file_is_valid_and_admits_nobody() -> None:
+    from app.tenants import load_tenants_file
+
+    tenants = load_tenants_file(REPO / "deploy" / "tenants.example.toml")
+    assert tenants
+    # Placeholder hashes: far below 2**16, so no real key's SHA-256 is among them.
+    assert all(int(t.api_key_sha256, 16) < 2**16 for t in tenants.values())

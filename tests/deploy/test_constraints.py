@@ -46,7 +46,7 @@ def installed_closure() -> dict[str, str]:
 
 
 def pinned() -> dict[str, str]:
-    pins = {}
+    pins: dict[str, str] = {}
     for line in (DEPLOY / "constraints.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, version = line.split("==")

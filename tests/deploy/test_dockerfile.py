@@ -9,9 +9,12 @@ from tests.deploy.conftest import REPO, load_yaml
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 # Continuation lines joined, so each instruction is one line.
-INSTRUCTIONS = [line.strip() for line in DOCKERFILE.replace("\\\n", " ").splitlines()
-                if line.strip() and not line.lstrip().startswith("#")]
-RUN_STAGE = INSTRUCTIONS[max(i for i, x in enumerate(INSTRUCTIONS) if x.startswith("FROM")):]
+INSTRUCTIONS = [
+    line.strip()
+    for line in DOCKERFILE.replace("\\\n", " ").splitlines()
+    if line.strip() and not line.lstrip().startswith("#")
+]
+RUN_STAGE = INSTRUCTIONS[max(i for i, x in enumerate(INSTRUCTIONS) if x.startswith("FROM")) :]
 COMPOSE_MTP = load_yaml(REPO / "docker-compose.yml")["services"]["mtpserve"]
 
 
@@ -51,10 +54,14 @@ def test_ships_the_demo_model_and_lets_a_mount_replace_it() -> None:
     assert COMPOSE_MTP["environment"]["MTPSERVE_MODEL"] != "/opt/mtpserve/models/demo"
 
 
+def _cmd_flag(flag: str) -> str:
+    match = re.search(rf'"--{flag}", "(\d+)"', " ".join(_args("CMD", RUN_STAGE)))
+    assert match, f"{flag} missing from CMD"
+    return match.group(1)
+
+
 def test_ports_healthcheck_and_stop_signal_match_compose() -> None:
-    cmd = " ".join(_args("CMD", RUN_STAGE))
-    port = re.search(r'"--port", "(\d+)"', cmd).group(1)
-    metrics = re.search(r'"--metrics-port", "(\d+)"', cmd).group(1)
+    port, metrics = _cmd_flag("port"), _cmd_flag("metrics-port")
     assert _args("EXPOSE", RUN_STAGE) == [f"{port} {metrics}"]
     assert f"--port={port}" in COMPOSE_MTP["command"]
     assert f"--metrics-port={metrics}" in COMPOSE_MTP["command"]

@@ -20,14 +20,25 @@ GRAFANA = load_yaml(REPO / "docker-compose.yml")["services"]["grafana"]
 # Every metric of the DESIGN.md list: the dashboards must show each one, and PromQL may name no
 # other (a typo in a metric name gives an empty panel, not an error).
 METRICS = {
-    "mtpserve_time_to_first_token_seconds", "mtpserve_inter_token_latency_seconds",
-    "mtpserve_time_per_output_token_seconds", "mtpserve_e2e_request_latency_seconds",
-    "mtpserve_queue_time_seconds", "mtpserve_accepted_tokens_per_step",
-    "mtpserve_spec_verify_steps_total", "mtpserve_spec_draft_tokens_total",
-    "mtpserve_spec_accepted_tokens_total", "mtpserve_spec_accepted_tokens_per_position_total",
-    "mtpserve_requests_total", "mtpserve_prompt_tokens_total", "mtpserve_completion_tokens_total",
-    "mtpserve_kv_zeroed_bytes_total", "mtpserve_requests_running", "mtpserve_requests_waiting",
-    "mtpserve_kv_blocks_used", "mtpserve_kv_blocks_total", "mtpserve_sessions_active",
+    "mtpserve_time_to_first_token_seconds",
+    "mtpserve_inter_token_latency_seconds",
+    "mtpserve_time_per_output_token_seconds",
+    "mtpserve_e2e_request_latency_seconds",
+    "mtpserve_queue_time_seconds",
+    "mtpserve_accepted_tokens_per_step",
+    "mtpserve_spec_verify_steps_total",
+    "mtpserve_spec_draft_tokens_total",
+    "mtpserve_spec_accepted_tokens_total",
+    "mtpserve_spec_accepted_tokens_per_position_total",
+    "mtpserve_requests_total",
+    "mtpserve_prompt_tokens_total",
+    "mtpserve_completion_tokens_total",
+    "mtpserve_kv_zeroed_bytes_total",
+    "mtpserve_requests_running",
+    "mtpserve_requests_waiting",
+    "mtpserve_kv_blocks_used",
+    "mtpserve_kv_blocks_total",
+    "mtpserve_sessions_active",
 }
 
 
@@ -71,9 +82,19 @@ def test_dashboards_show_every_exported_metric_and_no_unknown_one() -> None:
 
 def test_dashboard_covers_the_panels_operators_asked_for() -> None:
     titles = {title for _, title, _ in dashboard_exprs()}
-    for wanted in ("Acceptance rate", "Acceptance by draft position", "Mean accepted length",
-                   "Tokens per second", "Time to first token", "Inter-token latency",
-                   "Time per output token", "Running and waiting requests", "KV cache usage",
-                   "Active sessions by tenant", "Requests by tenant", "KV bytes zeroed",
-                   "Error rates"):
+    for wanted in (
+        "Acceptance rate",
+        "Acceptance by draft position",
+        "Mean accepted length",
+        "Tokens per second",
+        "Time to first token",
+        "Inter-token latency",
+        "Time per output token",
+        "Running and waiting requests",
+        "KV cache usage",
+        "Active sessions by tenant",
+        "Requests by tenant",
+        "KV bytes zeroed",
+        "Error rates",
+    ):
         assert wanted in titles, wanted

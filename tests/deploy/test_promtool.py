@@ -12,8 +12,13 @@ from tests.deploy.conftest import PROMETHEUS_DIR, require_tool
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
     # Run from deploy/prometheus so relative rule_files resolve as they do in the container.
-    return subprocess.run([require_tool("promtool"), *args], cwd=PROMETHEUS_DIR,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [require_tool("promtool"), *args],
+        cwd=PROMETHEUS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_config_syntax() -> None:

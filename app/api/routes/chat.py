@@ -31,5 +31,5 @@ async def create_chat_completion(
     await gen.start(request)
     return await chat_response(
         gen, request, stream=bool(body.stream), include_usage=body.include_usage,
-        model=service.model_name,
+        model=service.model_name, return_token_ids=bool(body.return_token_ids),
     )  # fmt: skip

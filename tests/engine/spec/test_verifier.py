@@ -93,6 +93,8 @@ def test_errors() -> None:
         verify_greedy(TREE, torch.tensor([1, 2]))
     with pytest.raises(ValueError):
         verify_sampling(TREE, torch.full((3, V), 1.0 / V), make_generator(0))
+    with pytest.raises(ValueError):  # a target row without mass
+        verify_sampling(TREE, torch.zeros(6, V), make_generator(0))
     q = torch.zeros(V)
     q[0] = 1.0
     with pytest.raises(ValueError):  # token 3 could not have been drawn from q

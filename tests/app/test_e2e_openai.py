@@ -1,0 +1,250 @@
+"""End to end: the real server (``python -m engine serve``) on free ports, the real LLMEngine on
+a tiny model, driven with the official ``openai`` client, httpx and schemathesis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.tenants import hash_key
+from tests.app.test_metrics import DESIGN_NAMES
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+KEY_A, KEY_B = "sk-e2e-alpha-key", "sk-e2e-beta-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    metrics_url: str
+    model: str
+    log: Path
+
+    def headers(self, key: str = KEY_A) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    def client(self, key: str = KEY_A) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(self.metrics_url + "/metrics", timeout=10).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+@pytest.fixture(scope="module")
+def server(e2e_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("e2e-server")
+    tenants = tmp / "tenants.toml"
+    tenants.write_text(
+        f'[tenants.alpha]\napi_key_sha256 = "{hash_key(KEY_A)}"\n\n'
+        f'[tenants.beta]\napi_key_sha256 = "{hash_key(KEY_B)}"\nmax_concurrent_requests = 4\n'
+    )
+    port, metrics_port = free_port(), free_port()
+    log = tmp / "server.log"
+    cmd = [
+        sys.executable, "-m", "engine", "serve", "--model", str(e2e_model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+        "--tenants", str(tenants), "--max-model-len", "256", "--drain-timeout-s", "5",
+        "--kv-memory-mb", "64",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "server not ready in time"
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}).json()
+        yield Server(url, f"http://127.0.0.1:{metrics_port}", model["data"][0]["id"], log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, log.read_text()[-3000:]
+
+
+def test_openai_completions_stream_equals_non_stream(server: Server) -> None:
+    client = server.client()
+    kw = dict(model=server.model, prompt="Hello there, how are", max_tokens=24, temperature=0)
+    plain = client.completions.create(**kw)  # type: ignore[call-overload]
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    usage = plain.usage.model_dump()
+    assert usage["completion_tokens"] >= 1 and "speculative" in usage
+    assert usage["speculative"]["num_verify_steps"] >= 1
+    chunks = list(client.completions.create(**kw, stream=True))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_openai_chat_stream_equals_non_stream_with_usage(server: Server) -> None:
+    client = server.client(KEY_B)
+    messages = [{"role": "user", "content": "Say something."}]
+    kw = dict(model=server.model, messages=messages, max_tokens=20, temperature=0)
+    plain = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    stream = client.chat.completions.create(  # type: ignore[call-overload]
+        **kw, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_wrong_key_and_validation_through_openai_client(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        server.client("sk-wrong").models.list()
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model=server.model, prompt="x", n=3)
+    assert info.value.body["param"] == "n"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="not-this-model", prompt="x")
+
+
+def test_metrics_only_on_metrics_port(server: Server) -> None:
+    assert httpx.get(server.url + "/metrics").status_code == 404
+    samples = server.metrics()
+    assert DESIGN_NAMES <= {name for name, _ in samples}
+    assert samples[("mtpserve_kv_blocks_total", ())] > 0
+    acceptance = httpx.get(server.metrics_url + "/admin/acceptance", timeout=10)
+    assert acceptance.status_code == 200 and isinstance(acceptance.json(), dict)
+
+
+def _wait_metric(server: Server, check, timeout: float = 20.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = server.metrics()
+        if check(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_frees_and_zeroes_kv(server: Server) -> None:
+    idle = _wait_metric(server, lambda s: s[("mtpserve_requests_running", ())] == 0)
+    used_idle = idle[("mtpserve_kv_blocks_used", ())]
+    zeroed = idle[("mtpserve_kv_zeroed_bytes_total", ())]
+    aborts = idle.get(("mtpserve_requests_total", (("status", "abort"), ("tenant", "alpha"))), 0)
+    body = {
+        "model": server.model, "prompt": "Tell me a long story", "max_tokens": 200,
+        "temperature": 0, "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    with httpx.Client(timeout=30) as http:
+        with http.stream(
+            "POST", server.url + "/v1/completions", json=body, headers=server.headers()
+        ) as resp:
+            assert resp.status_code == 200
+            seen = 0
+            for line in resp.iter_lines():
+                seen += line.startswith("data: {")
+                if seen >= 2:
+                    break
+    key = ("mtpserve_requests_total", (("status", "abort"), ("tenant", "alpha")))
+    after = _wait_metric(
+        server,
+        lambda s: s.get(key, 0) > aborts and s[("mtpserve_kv_blocks_used", ())] == used_idle,
+    )
+    assert after.get(key, 0) == aborts + 1
+    assert after[("mtpserve_kv_blocks_used", ())] == used_idle
+    assert after[("mtpserve_kv_zeroed_bytes_total", ())] > zeroed
+    # The engine keeps serving.
+    ok = server.client().completions.create(model=server.model, prompt="Hi", max_tokens=4)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_session_turns_match_one_request_and_are_isolated(server: Server) -> None:
+    h = server.headers()
+    created = httpx.post(server.url + "/v1/sessions", headers=h).json()
+    sid = created["id"]
+    turn_url = f"{server.url}/v1/sessions/{sid}/completions"
+    common = {"temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    p1, p2 = [5, 17, 30, 42, 8, 9], [60, 61, 12]
+    t1 = httpx.post(turn_url, json={"prompt": p1, "max_tokens": 7, **common}, headers=h).json()
+    out1 = t1["choices"][0]["token_ids"]
+    assert len(out1) == 7
+    t2 = httpx.post(turn_url, json={"prompt": p2, "max_tokens": 9, **common}, headers=h).json()
+    assert t2["usage"]["prompt_tokens"] == len(p2)  # only the new text is prefilled
+    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(p1) + len(out1)
+    whole = p1 + out1 + p2
+    single = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": server.model, "prompt": whole, "max_tokens": 9, **common},
+        headers=h,
+        timeout=60,
+    ).json()
+    assert single["choices"][0]["token_ids"] == t2["choices"][0]["token_ids"]
+    info = httpx.get(f"{server.url}/v1/sessions/{sid}", headers=h).json()
+    assert info["num_tokens"] >= len(whole) + 8
+    other = server.headers(KEY_B)
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", headers=other).status_code == 404
+    assert httpx.delete(f"{server.url}/v1/sessions/{sid}", headers=other).status_code == 404
+    closed = httpx.delete(f"{server.url}/v1/sessions/{sid}", headers=h).json()
+    assert closed == {"id": sid, "closed": True, "zeroed_bytes": closed["zeroed_bytes"]}
+    assert closed["zeroed_bytes"] > 0
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", headers=h).status_code == 404
+    audit = [line for line in server.log.read_text().splitlines() if '"kv_zeroed"' in line]
+    assert any(sid in line for line in audit)
+
+
+def test_fuzz_openapi_schema_finds_no_5xx(server: Server) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 8
+    seen: list[int] = []
+    for operation in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @settings(
+                max_examples=6, deadline=None, database=None, phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )  # fmt: skip
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def check(case) -> None:  # type: ignore[no-untyped-def]
+                resp = case.call(base_url=server.url, headers=server.headers(), timeout=60)
+                seen.append(resp.status_code)
+                assert resp.status_code < 500, (case.method, case.path, resp.text[:300])
+
+            try:
+                check()
+            except Unsatisfiable:  # no negative inputs exist (e.g. GET /health)
+                continue
+    assert len(seen) > 20
+    assert httpx.get(server.url + "/ready").status_code == 200

@@ -1,0 +1,116 @@
+"""Speculative decoding is lossless: greedy output equals autoregressive and transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams, SpecConfig
+from tests.model_factory import build_checkpoint
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3], [4] * 20, [5, 1]]
+SPECS = [
+    SpecConfig(method="chain"),
+    SpecConfig(method="chain", num_draft_tokens=6),
+    SpecConfig(method="tree"),
+    SpecConfig(method="tree", topk=3, depth=6, num_draft_tokens=12),
+    SpecConfig(method="tree", topk=2, depth=3, num_draft_tokens=4, reuse_last_module=False),
+]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A 6-token vocabulary makes random MTP drafts right often enough to exercise acceptance.
+    return build_checkpoint(tmp_path_factory.mktemp("v6"), seed=0, vocab_size=6,
+                            num_nextn_predict_layers=3)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("v6moe"), seed=5, vocab_size=6,
+                            n_routed_experts=4, first_k_dense_replace=1, q_lora_rank=16)
+
+
+def _run(folder: Path, spec: SpecConfig, sampling: SamplingParams = GREEDY, **kw):  # type: ignore[no-untyped-def]
+    return LLMEngine.from_pretrained(folder, spec=spec, **kw).generate(PROMPTS, sampling)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-{s.topk}-{s.num_draft_tokens}")
+def test_greedy_speculation_equals_autoregressive(small_vocab_dir: Path, spec: SpecConfig) -> None:
+    base = _run(small_vocab_dir, SpecConfig(method="none"))
+    outs = _run(small_vocab_dir, spec)
+    for b, o in zip(base, outs, strict=True):
+        assert o.token_ids == b.token_ids
+    total_accepted = sum(o.stats.num_accepted_tokens for o in outs)
+    assert total_accepted > 0, "the test should exercise accepted drafts"
+    for o in outs:
+        s = o.stats
+        assert s.num_steps > 0 and s.num_draft_tokens >= s.num_steps
+        assert s.mean_accepted_length == pytest.approx(1 + s.num_accepted_tokens / s.num_steps)
+        assert sum(s.accepted_per_position) == s.num_accepted_tokens
+        assert all(a >= b for a, b in zip(s.accepted_per_position, s.accepted_per_position[1:]))
+
+
+def test_greedy_speculation_moe(small_vocab_moe_dir: Path) -> None:
+    base = _run(small_vocab_moe_dir, SpecConfig(method="none"))
+    for spec in (SpecConfig(method="chain"), SpecConfig(method="tree")):
+        outs = _run(small_vocab_moe_dir, spec)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+
+
+def test_stop_inside_accepted_path(small_vocab_dir: Path) -> None:
+    """A stop token met in the middle of an accepted path ends the output right there."""
+    base = _run(small_vocab_dir, SpecConfig(method="none"))
+    stop = base[2].token_ids[5]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,))
+    want = _run(small_vocab_dir, SpecConfig(method="none"), sp)
+    got = _run(small_vocab_dir, SpecConfig(method="tree", topk=3, num_draft_tokens=12), sp)
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason
+    assert got[2].token_ids[-1] == stop and got[2].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(small_vocab_dir: Path) -> None:
+    sp = SamplingParams(max_tokens=30, temperature=1.0, seed=7)
+    a = _run(small_vocab_dir, SpecConfig(method="tree"), sp)
+    b = _run(small_vocab_dir, SpecConfig(method="tree"), sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    unseeded = SamplingParams(max_tokens=30, temperature=1.0)
+    c = _run(small_vocab_dir, SpecConfig(method="tree"), unseeded)
+    d = _run(small_vocab_dir, SpecConfig(method="tree"), unseeded)
+    assert [o.token_ids for o in c] != [o.token_ids for o in d]
+
+
+def test_rejected_tree_slots_are_zeroed(small_vocab_dir: Path) -> None:
+    """After a step, no cache entry exists beyond each sequence's committed tokens."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="tree", topk=3,
+                                                                    num_draft_tokens=12))
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    seq = eng._requests["a"]
+    for _ in range(6):
+        eng.step()
+        if seq.status.value != "running":
+            break
+        bs = eng.pool.block_size
+        flat = eng.pool.kv_cache.view(eng.pool.kv_cache.shape[0], -1, eng.pool.kv_cache.shape[-1])
+        for layer in range(eng.model_config.num_hidden_layers):
+            for pos in range(seq.num_committed, len(seq.block_ids) * bs):
+                slot = seq.block_ids[pos // bs] * bs + pos % bs
+                assert torch.count_nonzero(flat[layer, slot]) == 0, (layer, pos)
+            for pos in range(seq.num_committed):
+                slot = seq.block_ids[pos // bs] * bs + pos % bs
+                assert torch.count_nonzero(flat[layer, slot]) > 0
+
+
+def test_freed_blocks_are_zeroed_and_reported(small_vocab_dir: Path) -> None:
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="tree"))
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0.0))
+    assert eng.kv_blocks_used == 0
+    assert torch.count_nonzero(eng.pool.kv_cache) == 0
+    events = eng.drain_zero_events()
+    assert len(events) == 1 and events[0].bytes == events[0].blocks * eng.pool.bytes_per_block
+    assert eng.pool.zeroed_bytes_total == events[0].bytes
