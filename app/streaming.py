@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from app.errors import error_body
 from app.generation import Generation
@@ -52,14 +53,26 @@ async def _events(
         gen.close(error=failed)
 
 
+class GenerationStreamingResponse(StreamingResponse):
+    """Closes the generation even when the body iterator never started (the client left
+    before the first byte), so the request is aborted and its quota lease returned."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[str]) -> None:
+        headers = {**SSE_HEADERS, "X-Request-Id": gen.request_id}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._generation = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.close()
+
+
 def event_stream(
     gen: Generation,
     chunk: ChunkFn,
     usage_chunk: Callable[[Usage], dict[str, Any]] | None,
     first: dict[str, Any] | None = None,
 ) -> StreamingResponse:
-    return StreamingResponse(
-        _events(gen, chunk, usage_chunk, first),
-        media_type="text/event-stream",
-        headers={**SSE_HEADERS, "X-Request-Id": gen.request_id},
-    )
+    return GenerationStreamingResponse(gen, _events(gen, chunk, usage_chunk, first))

@@ -132,7 +132,7 @@ def make_compaction_step(
     return as_long[0], as_long[1], as_long[2], batch * stride
 
 
-def run_checks(log: Log) -> list[dict]:
+def run_checks(log: Log, device: str = "cuda") -> list[dict]:
     """Triton vs reference at realistic shapes, and the fused compaction bit-exact."""
     from engine.kernels.compaction import compact_and_zero_triton
 
@@ -141,10 +141,10 @@ def run_checks(log: Log) -> list[dict]:
         (16, 32, 8, 2048, {}), (16, 64, 1, 512, {}), (128, 1, 1, 2048, {"num_splits": 1}),
         (128, 8, 4, 512, {"block_m": 32}), (16, 8, 64, 512, {"block_m": 64}),
     ]
-    checks = [check_attention(log, h, b, t, c, **kw) for h, b, t, c, kw in shapes]
-    cache = torch.randn(NUM_LAYERS, 256, BLOCK_SIZE, RANK + ROPE, device="cuda",
+    checks = [check_attention(log, h, b, t, c, device, **kw) for h, b, t, c, kw in shapes]
+    cache = torch.randn(NUM_LAYERS, 256, BLOCK_SIZE, RANK + ROPE, device=device,
                         dtype=torch.bfloat16)  # [L, blocks, block_size, D]
-    src, dst, zero, _ = make_compaction_step(32, 16, 4, seed=0)
+    src, dst, zero, _ = make_compaction_step(32, 16, 4, seed=0, device=device)
     want = cache.clone()
     compact_and_zero_reference(want, src, dst, zero)
     compact_and_zero_triton(cache, src, dst, zero)
@@ -154,22 +154,22 @@ def run_checks(log: Log) -> list[dict]:
     return checks
 
 
-def run_sweep(log: Log, quick: bool) -> list[dict]:
+def run_sweep(log: Log, quick: bool, device: str = "cuda") -> list[dict]:
     """A few tile configurations on a decode and a verify shape per head count."""
     from engine.kernels.tree_mla_attention import tree_mla_attention
 
-    configs: list[dict[str, Any]] = [
+    configs: list[dict[str, Any]] = [  # first: the kernel's default
+        {"block_m": 16, "block_n": 32, "num_warps": 8, "num_stages": 2},
+        {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2},
         {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2},
-        {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2},
-        {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
+        {"block_m": 16, "block_n": 32, "num_warps": 8, "num_stages": 3},
         {"block_m": 32, "block_n": 32, "num_warps": 8, "num_stages": 2},
-        {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
-        {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        {"block_m": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},
     ]
     records = []
     for heads in (128, 16):
         for batch, tree, ctx in [(64, 1, 2048), (16, 16, 2048)]:
-            inputs = build_attention_inputs(batch, tree, ctx, heads, seed=7)
+            inputs = build_attention_inputs(batch, tree, ctx, heads, seed=7, device=device)
             for cfg in configs[:2] if quick else configs:
                 rec: dict[str, Any] = {"heads": heads, "batch": batch, "tree": tree, "ctx": ctx,
                                        **cfg}
@@ -183,7 +183,7 @@ def run_sweep(log: Log, quick: bool) -> list[dict]:
     return records
 
 
-def run_attention_grid(log: Log, quick: bool) -> list[dict]:
+def run_attention_grid(log: Log, quick: bool, device: str = "cuda") -> list[dict]:
     """Default-config Triton (and reference where it fits) over batch x tree x context."""
     from engine.kernels.tree_mla_attention import tree_mla_attention
 
@@ -194,7 +194,8 @@ def run_attention_grid(log: Log, quick: bool) -> list[dict]:
         for ctx in (512, 2048):
             for batch in batches:
                 for tree in trees:
-                    inputs = build_attention_inputs(batch, tree, ctx, heads, seed=batch + tree)
+                    inputs = build_attention_inputs(batch, tree, ctx, heads, seed=batch + tree,
+                                                    device=device)
                     kv_tokens = int((inputs["ctx_lens"].sum() + batch * tree).item())
                     kv_bytes = kv_tokens * (RANK + ROPE) * 2  # every visible entry read once
                     rec: dict[str, Any] = {"heads": heads, "ctx": ctx, "batch": batch,
@@ -207,21 +208,23 @@ def run_attention_grid(log: Log, quick: bool) -> list[dict]:
                     records.append(rec)
                     log(f"attention {rec}")
                     del inputs
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return records
 
 
-def run_compaction(log: Log) -> list[dict]:
+def run_compaction(log: Log, device: str = "cuda") -> list[dict]:
     """Time of one verify step's compact-and-zero over all layers."""
     from engine.kernels.compaction import compact_and_zero_triton
 
-    cache = torch.zeros(NUM_LAYERS, 1024, BLOCK_SIZE, RANK + ROPE, device="cuda",
+    cache = torch.zeros(NUM_LAYERS, 1024, BLOCK_SIZE, RANK + ROPE, device=device,
                         dtype=torch.bfloat16)  # [L, blocks, block_size, D], ~4.7 GB
     entry_bytes = NUM_LAYERS * (RANK + ROPE) * 2
     records = []
     for batch in (1, 16, 64, 256):
         for tree in (8, 64):
-            src, dst, zero, span = make_compaction_step(batch, tree, min(4, tree - 1), seed=batch)
+            src, dst, zero, span = make_compaction_step(batch, tree, min(4, tree - 1), seed=batch,
+                                                        device=device)
             if span > cache.shape[1] * BLOCK_SIZE:
                 continue
             traffic = (2 * src.numel() + zero.numel()) * entry_bytes  # move r+w, zero w

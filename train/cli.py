@@ -42,13 +42,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="demo")
     ap.add_argument("--out", required=True, type=Path, help="the Hugging Face folder to write")
     ap.add_argument("--work-dir", type=Path, help="checkpoints and caches (default: <out>.work)")
-    ap.add_argument("--time-budget-s", type=float, help="wall seconds from start to end of training")
+    ap.add_argument(
+        "--time-budget-s", type=float, help="wall seconds from start to end of training"
+    )
     ap.add_argument("--joint-steps", type=int, help="steps of the joint phase (default: preset)")
     ap.add_argument("--distill-steps", type=int, help="steps of the distillation phase")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from <work-dir>/ckpt")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the loss (CUDA)")
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the joint phase (default: the preset's choice, CUDA only)",
+    )
     ap.add_argument(
         "--corpus-root",
         action="append",
@@ -92,14 +99,19 @@ def prepare_data(
     timings: dict[str, float] = {}
     data_dir = work / "data"
     cached = reuse and all(
-        (data_dir / n).exists() for n in ("corpus_manifest.json", "tokenizer", "train.npy", "heldout.npy")
+        (data_dir / n).exists()
+        for n in ("corpus_manifest.json", "tokenizer", "train.npy", "heldout.npy")
     )
     if cached:
         corpus = Corpus.load(data_dir)
         tokenizer = load_tokenizer(data_dir / "tokenizer")
-        return corpus, tokenizer, load_tokens(data_dir / "train.npy"), load_tokens(
-            data_dir / "heldout.npy"
-        ), timings
+        return (
+            corpus,
+            tokenizer,
+            load_tokens(data_dir / "train.npy"),
+            load_tokens(data_dir / "heldout.npy"),
+            timings,
+        )
     t = time.monotonic()
     config = CorpusConfig(
         max_train_bytes=preset.max_train_bytes, heldout_fraction=preset.heldout_fraction
@@ -111,7 +123,9 @@ def prepare_data(
 
     t = time.monotonic()
     train_texts = (read_text(f) for f in corpus.train_files)
-    tokenizer = train_tokenizer(sample_texts(train_texts, preset.tokenizer_sample_bytes), preset.vocab_size)
+    tokenizer = train_tokenizer(
+        sample_texts(train_texts, preset.tokenizer_sample_bytes), preset.vocab_size
+    )
     save_tokenizer(tokenizer, data_dir / "tokenizer")
     tokenizer = load_tokenizer(data_dir / "tokenizer")
     timings["tokenizer_s"] = time.monotonic() - t
@@ -132,9 +146,13 @@ def prepare_data(
     return corpus, tokenizer, train, heldout, timings
 
 
-def build_model(preset: Preset, tokenizer: Any, seed: int, device: torch.device) -> DeepseekV3ForCausalLM:
+def build_model(
+    preset: Preset, tokenizer: Any, seed: int, device: torch.device
+) -> DeepseekV3ForCausalLM:
     if len(tokenizer) > preset.vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, model vocab is {preset.vocab_size}")
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens, model vocab is {preset.vocab_size}"
+        )
     hf = preset.hf_config(tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     model = DeepseekV3ForCausalLM(ModelConfig.from_hf_dict(hf))
     model.init_weights(seed)
@@ -156,7 +174,9 @@ def export(
     corpus.save(out)
     size = weight_bytes(out)
     if preset.max_weight_bytes is not None and size > preset.max_weight_bytes:
-        raise ValueError(f"exported weights are {size} bytes, over the preset's {preset.max_weight_bytes}")
+        raise ValueError(
+            f"exported weights are {size} bytes, over the preset's {preset.max_weight_bytes}"
+        )
     return {
         "weight_bytes": size,
         "num_tensors": len(tensors),
@@ -197,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         distill_steps=args.distill_steps,
         resume=args.resume,
         ckpt_every_s=args.ckpt_every_s,
-        compile=args.compile,
+        compile=(preset.compile_joint if args.compile is None else args.compile)
+        and device.type == "cuda",
         progress=not args.no_progress,
     )
     trainer = Trainer(model, preset, sampler, heldout, settings)
@@ -207,16 +228,28 @@ def main(argv: list[str] | None = None) -> int:
     final = trainer.evaluate().as_dict()
 
     facts = export(model, preset, tokenizer, corpus, out)
-    reloaded = load_model(out, dtype="float32", device="cpu")  # fails loudly if the folder is broken
+    reloaded = load_model(
+        out, dtype="float32", device="cpu"
+    )  # fails loudly if the folder is broken
     facts["reloaded_parameters"] = sum(p.numel() for p in reloaded.parameters())
     timings["total_s"] = time.monotonic() - t0
     log = {
         "preset": asdict(preset),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "corpus": corpus.stats,
-        "tokens": {"train": int(len(train_tokens)), "heldout": int(len(heldout_tokens)), "vocab": len(tokenizer)},
+        "tokens": {
+            "train": int(len(train_tokens)),
+            "heldout": int(len(heldout_tokens)),
+            "vocab": len(tokenizer),
+        },
         "epochs": sampler.epochs_at(state.data_step),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "phases": state.phase_summary,

@@ -165,14 +165,15 @@ def _read_source(path: Path, config: CorpusConfig) -> bytes | None:
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return None
-    if "\x00" in text or max((len(line) for line in text.splitlines()), default=0) > config.max_line_chars:
+    if (
+        "\x00" in text
+        or max((len(line) for line in text.splitlines()), default=0) > config.max_line_chars
+    ):
         return None
     return data
 
 
-def build_corpus(
-    config: CorpusConfig, roots: list[tuple[str, Path]] | None = None
-) -> Corpus:
+def build_corpus(config: CorpusConfig, roots: list[tuple[str, Path]] | None = None) -> Corpus:
     """Choose the corpus files deterministically: filter, deduplicate by content, split, cap.
 
     Files are visited in the order of a hash of their name; the first file with a given content

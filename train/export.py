@@ -42,7 +42,9 @@ def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[
     for name in sorted(tensors):
         size = tensors[name].numel() * tensors[name].element_size() + _HEADER_ALLOWANCE
         if size > max_shard_bytes:
-            raise ValueError(f"tensor {name} ({size} bytes) exceeds the shard limit {max_shard_bytes}")
+            raise ValueError(
+                f"tensor {name} ({size} bytes) exceeds the shard limit {max_shard_bytes}"
+            )
         if used + size > max_shard_bytes and shards[-1]:
             shards.append([])
             used = 0

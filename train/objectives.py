@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +101,7 @@ class HeldoutMetrics:
             total += run
         return total
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "main_loss": self.main_loss,
             "mtp_loss": self.mtp_loss,

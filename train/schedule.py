@@ -38,5 +38,7 @@ class PhasePlan:
         """Linear warm-up over ``warmup_steps`` times a cosine from peak to ``min_lr_ratio``·peak."""
         progress = min(self.progress(step, elapsed_s), 1.0)
         warm = min(1.0, (step + 1) / max(self.warmup_steps, 1))
-        cosine = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        cosine = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
         return self.peak_lr * warm * cosine

@@ -83,6 +83,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     tok = AutoTokenizer.from_pretrained(str(folder))
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise ValueError(f"tokenizer in {folder} is not a fast (tokenizers) tokenizer")
     if tok.bos_token_id is None or tok.eos_token_id is None:
         raise ValueError(f"tokenizer in {folder} lacks BOS/EOS")
     return tok

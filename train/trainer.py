@@ -18,7 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ class RunSettings:
     distill_steps: int | None = None
     resume: bool = False
     ckpt_every_s: float = 180.0
-    compile: bool = False
+    compile: bool = False  # torch.compile the joint phase's loss
     log_every: int = 10
     progress: bool = True
 
@@ -135,7 +135,8 @@ class Trainer:
     def _optimizer(self, phase: str) -> torch.optim.Optimizer:
         L = self.model.config.num_hidden_layers
         mtp_prefixes = tuple(f"model.layers.{L + i}." for i in range(self.num_depths))
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, param in self.model.named_parameters():
             trainable = phase == "joint" or name.startswith(mtp_prefixes)
             param.requires_grad_(trainable)
@@ -151,7 +152,15 @@ class Trainer:
             kwargs["fused"] = True
         return torch.optim.AdamW(groups, **kwargs)
 
-    def _loss_fn(self, phase: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+    def _loss_fn_eager(
+        self, phase: str
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+        return self._loss_fn(phase, compile_joint=False)
+
+    def _loss_fn(
+        self, phase: str, compile_joint: bool | None = None
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+        compile_joint = self.settings.compile if compile_joint is None else compile_joint
         model, k, lam = self.model, self.num_depths, self.preset.mtp_lambda
         hard = self.preset.distill_hard_weight
 
@@ -163,10 +172,9 @@ class Trainer:
             kl = distill_losses(model, x, k, hard)
             return torch.stack(kl).mean(), kl
 
-        fn = joint if phase == "joint" else distill
-        if self.settings.compile:
-            return torch.compile(fn)  # type: ignore[return-value]
-        return fn
+        if phase == "joint":
+            return torch.compile(joint) if compile_joint else joint  # type: ignore[return-value]
+        return distill
 
     def _run_phase(self, phase: str) -> None:
         st, s = self.state, self.settings
@@ -175,18 +183,22 @@ class Trainer:
             st.phase, st.step, st.elapsed_s = phase, 0, 0.0
             if phase == "distill":
                 self._start_distill()
-        plan = self._plan(phase)
+        if phase == "joint" and not resuming:
+            self._eval_and_track(phase)  # the untrained model's held-out metrics, for reference
         opt = self._optimizer(phase)
         if resuming and self._opt_state is not None:
             opt.load_state_dict(self._opt_state)
         self._opt_state = None
         params = [p for g in opt.param_groups for p in g["params"]]
         loss_fn = self._loss_fn(phase)
-        eager_fn = self._loss_fn(phase) if s.compile else loss_fn
+        eager_fn = self._loss_fn_eager(phase) if s.compile and phase == "joint" else loss_fn
         tokens_per_step = self.sampler.batch_size * self.sampler.seq_len
+        plan = self._plan(phase)  # last before the loop: a time share counts from here
         bar = self._bar(phase, plan)
-        self.log(f"[{phase}] plan: steps={plan.max_steps} time_s={plan.time_s and round(plan.time_s)} "
-                 f"peak_lr={plan.peak_lr} warmup={plan.warmup_steps}")
+        self.log(
+            f"[{phase}] plan: steps={plan.max_steps} time_s={plan.time_s and round(plan.time_s)} "
+            f"peak_lr={plan.peak_lr} warmup={plan.warmup_steps}"
+        )
         last_eval = last_log = t_prev = time.monotonic()
         log_step, window_losses = st.step, []
         self.model.train()
@@ -214,6 +226,11 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
             st.step += 1
             st.data_step += 1
+            if st.step == 1 and plan.time_s is not None:
+                # The first step carries CUDA start-up and compilation: the cosine starts after it.
+                first = time.monotonic() - t_prev
+                plan = replace(plan, time_s=max(plan.time_s - first, 0.0))
+                t_prev += first
             window_losses.append(
                 torch.stack([t.detach().float() for t in (loss, *parts, grad_norm)])
             )  # [total, parts..., grad_norm]
@@ -228,14 +245,19 @@ class Trainer:
                 log_step, last_log = st.step, now
                 if not math.isfinite(mean[0]):
                     raise FloatingPointError(f"[{phase}] loss is {mean[0]} at step {st.step}")
-                self._train_record = {"loss": mean[:-1], "grad_norm": mean[-1], "lr": lr, "tok_s": tok_s}
+                self._train_record = {
+                    "loss": mean[:-1],
+                    "grad_norm": mean[-1],
+                    "lr": lr,
+                    "tok_s": tok_s,
+                }
                 self._update_bar(bar, plan, phase, mean, lr, tok_s)
+            # Evaluations and checkpoints count as phase time (they are part of the wall budget).
             if now - last_eval >= self.preset.eval_every_s:
                 self._eval_and_track(phase)
-                last_eval = t_prev = time.monotonic()
+                last_eval = time.monotonic()
             if now - self._last_ckpt >= s.ckpt_every_s:
                 self._save(opt)
-                t_prev = time.monotonic()
         bar.close()
         if not st.history or (st.history[-1]["phase"], st.history[-1]["step"]) != (phase, st.step):
             self._eval_and_track(phase)
@@ -264,26 +286,31 @@ class Trainer:
 
     def _eval_and_track(self, phase: str) -> None:
         st = self.state
-        metrics = self.evaluate().as_dict()
-        record = {
-            "phase": phase,
-            "step": st.step,
-            "data_step": st.data_step,
-            "epochs": round(self.sampler.epochs_at(st.data_step), 3),
-            "time_s": round(time.monotonic() - self._t0, 1),
-            "train": self._train_record,
-            "heldout": metrics,
-        }
-        st.history.append(record)
+        result = self.evaluate()
+        metrics = result.as_dict()
+        st.history.append(
+            {
+                "phase": phase,
+                "step": st.step,
+                "data_step": st.data_step,
+                "epochs": round(self.sampler.epochs_at(st.data_step), 3),
+                "time_s": round(time.monotonic() - self._t0, 1),
+                "train": self._train_record,
+                "heldout": metrics,
+            }
+        )
         # joint: lower held-out next-token loss; distill: longer (proxy) accepted chain
-        score = -float(metrics["main_loss"]) if phase == "joint" else float(metrics["chain_len_sampled"])  # type: ignore[arg-type]
+        if phase == "joint":
+            score = -result.main_loss
+        else:
+            score = result.chain(result.accept_sampled)
         if st.best_metric is None or score > st.best_metric:
             st.best_metric, st.best_step = score, st.step
             self.best_state = _clone_state(self.model)
-        acc = " ".join(f"{a:.3f}" for a in metrics["accept_sampled"])  # type: ignore[attr-defined]
         self.log(
-            f"[{phase}] step {st.step} heldout main={metrics['main_loss']:.4f} "
-            f"mtp={[round(v, 3) for v in metrics['mtp_loss']]} accept(T=1)=[{acc}] "  # type: ignore[attr-defined]
+            f"[{phase}] step {st.step} heldout main={result.main_loss:.4f} "
+            f"mtp={[round(v, 3) for v in result.mtp_loss]} "
+            f"accept(T=1)={[round(a, 3) for a in result.accept_sampled]} "
             f"chain~{metrics['chain_len_sampled']:.2f} greedy~{metrics['chain_len_greedy']:.2f}"
         )
 
@@ -313,14 +340,16 @@ class Trainer:
         self, bar: tqdm, plan: PhasePlan, phase: str, mean: list[float], lr: float, tok_s: float
     ) -> None:
         st = self.state
-        bar.n = min(int(st.elapsed_s), bar.total) if plan.time_s is not None else st.step
+        target = min(int(st.elapsed_s), bar.total) if plan.time_s is not None else st.step
         postfix = {"step": st.step, "loss": f"{mean[0]:.3f}"}
         if phase == "joint":  # parts: main, mtp_1..k
             postfix["main"] = f"{mean[1]:.3f}"
             postfix["mtp"] = f"{sum(mean[2:-1]) / max(len(mean) - 3, 1):.3f}"
-        postfix.update(lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", ep=f"{self.sampler.epochs_at(st.data_step):.2f}")
+        postfix.update(
+            lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", ep=f"{self.sampler.epochs_at(st.data_step):.2f}"
+        )
         bar.set_postfix(postfix, refresh=False)
-        bar.refresh()
+        bar.update(target - bar.n)  # redraws at most every ``mininterval`` seconds
 
     def _save(self, opt: torch.optim.Optimizer | None) -> None:
         st = self.state
@@ -344,5 +373,7 @@ class Trainer:
         self.state = TrainState(**payload["state"])
         self.best_state = payload["best_state"]
         self._opt_state = payload["optimizer"]
-        self.log(f"resumed: phase={self.state.phase} step={self.state.step} "
-                 f"data_step={self.state.data_step}")
+        self.log(
+            f"resumed: phase={self.state.phase} step={self.state.step} "
+            f"data_step={self.state.data_step}"
+        )

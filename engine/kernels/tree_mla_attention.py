@@ -11,10 +11,12 @@ share them through L2. Row ``m`` of a tile is token ``m // BLOCK_H``, head ``m %
 with many heads (H = 128) a tile is one token and 16..64 heads; with few heads (tests, tensor
 parallel shards) several tokens of the tree share each key load.
 
-Keys are visited ``BLOCK_N`` positions at a time through the block table; each entry's latent
-part ``c_kv`` is both key (with ``k_rope``) and value. Scores use an online base-2 softmax with a
-float32 accumulator ``[BLOCK_M, R]``. Key positions ``>= ctx_b`` are the sequence's new tokens,
-gated by ``new_mask``; committed positions are gated by ``query_ctx_lens`` when given.
+Keys are visited ``BLOCK_N`` positions at a time through the block table (one table load and
+32-bit in-page offsets when ``BLOCK_N`` divides the page size, a per-key gather otherwise); each
+entry's latent part ``c_kv`` is both key (with ``k_rope``) and value. Scores use an online base-2
+softmax with a float32 accumulator ``[BLOCK_M, R]``. Key positions ``>= ctx_b`` are the
+sequence's new tokens, gated by ``new_mask``; committed positions are gated by
+``query_ctx_lens`` when given.
 
 Work bound: a tile stops at key ``ctx_b + (its last token's index)``, i.e. it assumes new token
 ``j`` is visible only to new tokens ``i >= j``. Causal prefill masks and tree masks (parents
@@ -52,7 +54,7 @@ def _tree_mla_fwd_kernel(
     stride_out_n, stride_out_h,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_QCTX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_QCTX: tl.constexpr, DOT_PRECISION: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     head_group = tl.program_id(0)
@@ -102,14 +104,21 @@ def _tree_mla_fwd_kernel(
         for start in range(k_begin, k_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
             key_ok = pos < k_end
-            blk = tl.load(bt_row + pos // block_size, mask=key_ok, other=0).to(tl.int64)
-            entry = blk * stride_kv_blk + (pos % block_size).to(tl.int64) * stride_kv_off
+            if TILE_IN_PAGE:
+                # The tile lies in one page: one block-table load, 32-bit offsets in the page.
+                blk = tl.load(bt_row + start // block_size).to(tl.int64)
+                rows_ptr = kv_ptr + blk * stride_kv_blk  # scalar page base
+                entry = (start % block_size + tl.arange(0, BLOCK_N)) * stride_kv_off
+            else:
+                blk = tl.load(bt_row + pos // block_size, mask=key_ok, other=0).to(tl.int64)
+                rows_ptr = kv_ptr
+                entry = blk * stride_kv_blk + (pos % block_size).to(tl.int64) * stride_kv_off
             k_lat = tl.load(
-                kv_ptr + entry[:, None] + offs_r[None, :],
+                rows_ptr + entry[:, None] + offs_r[None, :],
                 mask=key_ok[:, None] & r_ok[None, :], other=0.0,
             )  # [BLOCK_N, BLOCK_R]: key latent and value
             k_rope = tl.load(
-                kv_ptr + entry[:, None] + R + offs_p[None, :],
+                rows_ptr + entry[:, None] + R + offs_p[None, :],
                 mask=key_ok[:, None] & p_ok[None, :], other=0.0,
             )  # [BLOCK_N, BLOCK_P]
             s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
@@ -206,14 +215,16 @@ def tree_mla_attention(
     block_m: int = 16,
     block_n: int = 32,
     num_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 8,
     num_stages: int = 2,
 ) -> Tensor:  # [N, H, R] in q_latent's dtype
     """Triton version of ``engine.attention.reference.paged_mla_attention``.
 
     ``block_m`` (rows per tile, tokens x heads, >= 16), ``block_n`` (keys per step, >= 16),
     ``num_splits`` (key splits; None picks from the grid size), ``num_warps`` and
-    ``num_stages`` are tuning knobs that do not change the result beyond rounding.
+    ``num_stages`` are tuning knobs that do not change the result beyond rounding. The defaults
+    compile for sm_90 at R=512, P=64 without register spills (Triton 3.6 and 3.8; checked by
+    ``tests/engine/kernels/test_sm90_compile.py``); ``bench/gpu_kernels.py`` times alternatives.
     """
     num_tokens, num_heads, rank = q_latent.shape
     rope_dim = q_rope.shape[-1]
@@ -266,6 +277,7 @@ def tree_mla_attention(
         BLOCK_P=max(16, triton.next_power_of_2(rope_dim)),
         NUM_SPLITS=num_splits, HAS_QCTX=query_ctx_lens is not None,
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        TILE_IN_PAGE=block_size % block_n == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -98,3 +98,14 @@ async def test_disconnect_while_waiting_for_a_non_streamed_answer() -> None:
         await task
         await wait_until(lambda: not engine._requests and engine.kv_blocks_used == 0)
         assert len(engine.prefilled_tokens) == 1
+
+
+async def test_disconnect_before_the_first_streamed_byte_releases_everything() -> None:
+    engine = FakeEngine(step_delay_s=0.01)
+    async with running_app(engine) as h:
+        for _ in range(5):
+            body = {"model": "fake", "prompt": "x", "max_tokens": 300, "stream": True}
+            await _call_then_disconnect(h.app, body, after_chunks=0)
+        await wait_until(lambda: not engine._requests and engine.kv_blocks_used == 0)
+        await wait_until(lambda: h.service.quotas.concurrent("alpha") == 0)
+        assert h.service.loop.num_active == 0

@@ -38,6 +38,8 @@ class Server:
     metrics_url: str
     model: str
     log: Path
+    proc: subprocess.Popen[bytes]
+    tenants: Path
 
     def headers(self, key: str = KEY_A) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
@@ -86,7 +88,8 @@ def server(e2e_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 pass
             time.sleep(0.25)
         model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}).json()
-        yield Server(url, f"http://127.0.0.1:{metrics_port}", model["data"][0]["id"], log)
+        metrics_url = f"http://127.0.0.1:{metrics_port}"
+        yield Server(url, metrics_url, model["data"][0]["id"], log, proc, tenants)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -191,7 +194,7 @@ def test_session_turns_match_one_request_and_are_isolated(server: Server) -> Non
     sid = created["id"]
     turn_url = f"{server.url}/v1/sessions/{sid}/completions"
     common = {"temperature": 0, "return_token_ids": True, "ignore_eos": True}
-    p1, p2 = [5, 17, 30, 42, 8, 9], [60, 61, 12]
+    p1, p2 = [5, 17, 30, 12, 8, 9], [20, 21, 12]  # ids valid in any tiny vocab
     t1 = httpx.post(turn_url, json={"prompt": p1, "max_tokens": 7, **common}, headers=h).json()
     out1 = t1["choices"][0]["token_ids"]
     assert len(out1) == 7
@@ -248,3 +251,24 @@ def test_fuzz_openapi_schema_finds_no_5xx(server: Server) -> None:
                 continue
     assert len(seen) > 20
     assert httpx.get(server.url + "/ready").status_code == 200
+
+
+def test_sighup_reloads_tenants_without_dropping_requests(server: Server) -> None:
+    new_key = "sk-e2e-beta-rotated"
+    old = server.tenants.read_text()
+    server.tenants.write_text(old.replace(hash_key(KEY_B), hash_key(new_key)))
+    try:
+        server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while (
+            httpx.get(server.url + "/v1/models", headers=server.headers(new_key)).status_code != 200
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert (
+            httpx.get(server.url + "/v1/models", headers=server.headers(KEY_B)).status_code == 401
+        )
+        assert httpx.get(server.url + "/v1/models", headers=server.headers()).status_code == 200
+    finally:
+        server.tenants.write_text(old)
+        server.proc.send_signal(signal.SIGHUP)

@@ -69,3 +69,16 @@ def test_tokens_per_minute_window_slides() -> None:
     quotas.release(quotas.acquire(tenant, prompt_tokens=20, kv_tokens=30))
     with pytest.raises(QuotaExceeded):
         quotas.acquire(tenant, prompt_tokens=101, kv_tokens=101)
+
+
+async def test_drain_finishes_in_flight_and_refuses_new() -> None:
+    engine = FakeEngine(step_delay_s=0.01)
+    async with running_app(engine, drain_timeout_s=10) as h:
+        running = asyncio.create_task(h.complete(prompt="x", max_tokens=60))
+        await asyncio.sleep(0.1)
+        drain = asyncio.create_task(h.service.drain())
+        await asyncio.sleep(0.05)
+        assert_error(await h.complete(prompt="y", max_tokens=2), 503)
+        resp = await running
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 60
+        await drain

@@ -47,7 +47,9 @@ ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
         dict(seed=7, ctx_lens=[3, 21], new_counts=[5, 7], dtype=torch.float16, rank=32), {}
     ),
 }
-COMPACTION_CASES = ["chain_overlap", "chain_reversed", "random_batch_bf16", "zero_only"]
+COMPACTION_CASES = [
+    "chain_overlap", "chain_reversed", "tiles_of_4_mixed", "random_batch_bf16", "zero_only",
+]
 
 
 def _attention_case(case_kw: dict, kernel_kw: dict) -> tuple[float, float]:
@@ -77,6 +79,8 @@ def _compaction_case(name: str) -> tuple[float, float]:
         src, dst, zero = [5, 7], [4, 5], [6, 7, 9]
     elif name == "chain_reversed":  # the second move reads what the first wrote
         src, dst, zero = [7, 5], [5, 4], [8]
+    elif name == "tiles_of_4_mixed":  # tile 0 clashes (replayed), tile 1 reads tile 0's write
+        src, dst, zero = [10, 3, 12, 9, 20, 10, 23, 21], [9, 2, 10, 8, 19, 7, 22, 20], [3, 23]
     elif name == "zero_only":
         src, dst, zero = [], [], [0, 3, 23]
     else:  # three sequences, accepted paths moved down, rejected tree slots zeroed
@@ -94,7 +98,7 @@ def _compaction_case(name: str) -> tuple[float, float]:
         flat[:, d] = flat[:, s]
     flat[:, zero] = 0
     slots = [torch.tensor(xs, dtype=torch.int64) for xs in (src, dst, zero)]  # [K], [K], [Z]
-    compact_and_zero_triton(got, *slots)
+    compact_and_zero_triton(got, *slots, block_k=4 if name.startswith("tiles") else 32)
     ref = kv.clone()
     compact_and_zero_reference(ref, *slots)
     raw = torch.int32 if dtype == torch.float32 else torch.int16  # compare bit patterns
