@@ -9,12 +9,12 @@ METRICS_PORT ?= 9464
 
 .PHONY: setup serve test lint clean system-deps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on local disk; pin it so pip never fetches CUDA wheels.
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e ".[dev]"
+	$(VPY) -m pip install -q -c deploy/constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -24,6 +24,9 @@ LATENCY_BUCKETS = (
 ACCEPTED_BUCKETS = tuple(float(n) for n in range(0, 17))
 
 
+PRECREATED_POSITIONS = 8
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -66,6 +69,10 @@ class Metrics:
             "Verify steps whose accepted path reached this draft position (0-based).",
             ["position"], registry=r,
         )  # fmt: skip
+        # Create the per-position series up front so dashboards show 0, not "no data", for
+        # depths nothing has reached yet.
+        for position in range(PRECREATED_POSITIONS):
+            self.accepted_per_position.labels(position=str(position))
         self.requests = Counter(
             p + "requests", "Requests by tenant and status.", ["tenant", "status"], registry=r
         )

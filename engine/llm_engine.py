@@ -33,6 +33,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from engine.spec.acceptance_stats import AcceptanceCounter
+from engine.spec.adaptive import AdaptiveController
 from engine.spec.defaults import resolve_budget
 from engine.spec.drafter import MTPDrafter, TreeBudget
 from engine.spec.tree import DraftTree
@@ -92,6 +93,9 @@ class LLMEngine:
         self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if cfg.num_mtp_modules else None
         self.acceptance = AcceptanceCounter()
         self.last_timings = StepTimings()
+        self.adaptive: AdaptiveController | None = None
+        if spec.method == "adaptive":
+            self.adaptive = AdaptiveController(self, self.budget)
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: list[ZeroEvent] = []
@@ -138,25 +142,30 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if session_id is None and not ids:
-            raise ValueError("prompt_token_ids must not be empty")
+        history: list[int] = []
+        session: Sequence | None = None
         if session_id is not None:
-            seq = self._sessions.get(session_id)
-            if seq is None:
+            session = self._sessions.get(session_id)
+            if session is None:
                 raise ValueError(f"unknown session {session_id!r}")
-            if seq.status is not SeqStatus.IDLE:
+            if session.status is not SeqStatus.IDLE:
                 raise ValueError(f"session {session_id!r} already has a request running")
-            if not ids and not seq.tokens:
-                raise ValueError("prompt_token_ids must not be empty")
-            total = len(seq.tokens) + len(ids) + sampling.max_tokens
-        else:
-            total = len(ids) + sampling.max_tokens
+            history = session.tokens
+        if not ids and not history:
+            raise ValueError("prompt_token_ids must not be empty")
+        total = len(history) + len(ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({total - sampling.max_tokens} tokens) plus max_tokens "
                 f"({sampling.max_tokens}) exceeds the context length {self.max_model_len}"
             )
-        if session_id is None:
+        needed = -(-(total + self.scheduler.scratch_tokens) // self.pool.block_size)
+        if needed > self.pool.num_blocks:
+            raise KVCacheFull(
+                f"request needs {needed} KV blocks but the pool has {self.pool.num_blocks}; "
+                "lower max_tokens or raise the KV memory budget"
+            )
+        if session is None:
             seq = Sequence(
                 request_id=request_id,
                 tokens=ids,
@@ -166,6 +175,7 @@ class LLMEngine:
                 num_mtp_modules=self.model_config.num_mtp_modules,
             )
         else:
+            seq = session
             seq.request_id = request_id
             seq.tokens.extend(ids)
             seq.sampling = sampling
@@ -175,11 +185,6 @@ class LLMEngine:
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
         seq.arrival_order = next(self._arrivals)
-        if self.scheduler.blocks_needed(seq) > self.pool.num_blocks:
-            raise KVCacheFull(
-                f"request needs {self.scheduler.blocks_needed(seq)} KV blocks but the pool has "
-                f"{self.pool.num_blocks}; lower max_tokens or raise the KV memory budget"
-            )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -283,9 +288,8 @@ class LLMEngine:
     def _choose_budget(self, seqs: list[Sequence]) -> TreeBudget:
         if self.spec.method != "adaptive":
             return self.budget
-        from engine.spec.adaptive import choose_budget  # noqa: PLC0415 (optional simulator)
-
-        return choose_budget(self, len(seqs))
+        assert self.adaptive is not None
+        return self.adaptive.choose(self, len(seqs))
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, work: list[tuple[Sequence, int]], outputs: list[RequestOutput]) -> None:
@@ -534,4 +538,6 @@ def _eos_ids(folder: Path, cfg: ModelConfig) -> frozenset[int]:
         return frozenset()
     if isinstance(value, int):
         return frozenset({value})
-    return frozenset(int(v) for v in value)  # type: ignore[union-attr]
+    if not isinstance(value, list):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return frozenset(int(v) for v in value)

@@ -36,3 +36,11 @@ def moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         q_lora_rank=24,
         routed_scaling_factor=2.5,
     )
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The shipped demo model (trained by train/, see README)."""
+    folder = Path(__file__).resolve().parents[1] / "models" / "demo"
+    assert (folder / "config.json").is_file(), "models/demo is missing from the checkout"
+    return folder

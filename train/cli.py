@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"done in {timings['total_s']:.0f}s: {out} ({facts['weight_bytes'] / 1e6:.1f} MB weights, "
         f"{facts['num_parameters'] / 1e6:.2f}M params); held-out main loss {final['main_loss']:.3f}, "
-        f"accept(T=1) {[round(a, 3) for a in final['accept_sampled']]}, "  # type: ignore[attr-defined]
-        f"greedy {[round(a, 3) for a in final['accept_greedy']]}",  # type: ignore[attr-defined]
+        f"accept(T=1) {[round(a, 3) for a in final['accept_sampled']]}, "
+        f"greedy {[round(a, 3) for a in final['accept_greedy']]}",
         flush=True,
     )
     return 0

@@ -1,0 +1,49 @@
+"""The modes the offline benchmark compares, and how each is configured.
+
+Engine modes run through ``LLMEngine`` (``ar`` is ``SpecConfig(method="none")``); ``tree`` can
+appear several times with different draft budgets (``tree-8``, ``tree-32``...). The transformers
+modes are baselines on the same folder: plain ``generate()`` and, where transformers can read the
+folder's MTP weights (the published 61-layer layout), ``generate(use_mtp=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import SpecConfig
+
+ENGINE_MODES = ("ar", "chain", "tree", "adaptive")
+HF_MODES = ("transformers", "transformers-mtp")
+ALL_MODES = ENGINE_MODES + HF_MODES
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    mode: str  # one of ALL_MODES
+    label: str  # unique name of the configuration: "ar", "tree-8", ...
+    spec: SpecConfig | None = None  # engine modes only
+
+    @property
+    def is_engine(self) -> bool:
+        return self.mode in ENGINE_MODES
+
+
+def build_modes(modes: list[str], tree_budgets: list[int]) -> list[ModeSpec]:
+    """Mode specs in run order; ``ar`` first since every other mode is compared with it."""
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; choose from {list(ALL_MODES)}")
+    out = [ModeSpec("ar", "ar", SpecConfig(method="none"))]
+    for mode in modes:
+        if mode == "chain":
+            out.append(ModeSpec("chain", "chain", SpecConfig(method="chain")))
+        elif mode == "tree":
+            budgets = tree_budgets or [0]
+            for b in budgets:  # 0: the device default shape
+                spec = SpecConfig(method="tree", num_draft_tokens=b or None)
+                out.append(ModeSpec("tree", f"tree-{b}" if b else "tree", spec))
+        elif mode == "adaptive":
+            out.append(ModeSpec("adaptive", "adaptive", SpecConfig(method="adaptive")))
+        elif mode in HF_MODES:
+            out.append(ModeSpec(mode, mode))
+    return out

@@ -1,0 +1,209 @@
+"""``mtpserve bench offline``: every mode on one model folder, side by side, in one run.
+
+Order of work: load the weights once; build the contenders (engine modes sharing the weights,
+transformers on the same folder); check greedy tokens of every mode against ``ar`` (before any
+timing; an engine mode that differs is not timed); then for each temperature and batch size warm
+every contender up and run ``repeats`` rounds in which the modes alternate, so that load drifts
+of a shared machine hit all modes alike. On GPU also measure copy bandwidth and matmul rate and
+report each step against its floor (``bench.floor``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.check import compare_tokens, describe
+from bench.contenders import Contender, build_contenders, load_base
+from bench.engine_run import BatchRun
+from bench.floor import measure_rates, step_floor
+from bench.meta import run_metadata
+from bench.modes import build_modes
+from bench.prompts import batch_of, load_prompts
+from bench.records import add_costs, add_speedups, empty_record, make_record
+from engine.model.loader import parse_dtype
+
+
+@dataclass
+class OfflineSettings:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    check_dtype: str | None = None  # None: the timing dtype
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
+    max_new_tokens: int = 64
+    prompt_tokens: int = 64
+    num_prompts: int | None = None  # None: the largest batch size
+    modes: list[str] = field(default_factory=lambda: ["chain", "tree", "adaptive", "transformers",
+                                                      "transformers-mtp"])
+    tree_budgets: list[int] = field(default_factory=list)  # empty: the device default tree
+    repeats: int = 3
+    warmup_tokens: int = 8
+    check_batch: int | None = None  # None: the largest batch size
+    check_tokens: int | None = None  # None: max_new_tokens
+    kv_memory_mb: int | None = None
+    time_limit_s: float | None = None
+    price_per_hour: float | None = None
+    seed: int = 1000
+
+
+def _log(msg: str) -> None:
+    tqdm.write(msg)
+
+
+def greedy_check(contenders: list[Contender], prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Greedy tokens of every contender against the ``ar`` contender's."""
+    reference = contenders[0].run(prompts, tokens, 0.0, seed=0).tokens
+    results: dict[str, Any] = {}
+    for c in contenders[1:]:
+        batch = prompts[:1] if c.skip_reason(len(prompts)) else prompts
+        try:
+            got = c.run(batch, tokens, 0.0, seed=0).tokens
+        except Exception as exc:
+            results[c.mode.label] = {"match": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            _log(f"check {c.mode.label}: ERROR {results[c.mode.label]['error']}")
+            continue
+        results[c.mode.label] = compare_tokens(reference[: len(batch)], got)
+        _log(f"check {c.mode.label} vs ar: {describe(results[c.mode.label])}")
+    return results
+
+
+def _check_in_other_dtype(s: OfflineSettings, prompts: list[list[int]], modes: list, max_batch: int) -> dict[str, Any]:
+    assert s.check_dtype is not None
+    base = load_base(s.model, s.device, s.check_dtype, max_batch, s.prompt_tokens + s.max_new_tokens, None)
+    contenders, _ = build_contenders(s.model, base, modes, parse_dtype(s.check_dtype))
+    result = greedy_check(contenders, prompts, s.check_tokens or s.max_new_tokens)
+    del base, contenders
+    gc.collect()
+    if s.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return result
+
+
+def _floor_fields(c: Contender, rec: dict[str, Any], base_model: Any, rates: dict[str, float],
+                  s: OfflineSettings, dtype_bytes: int) -> None:
+    step_ms = rec["step_ms"] if c.engine is not None else rec["tpot_ms"]
+    if step_ms is None or c.mode.mode == "transformers-mtp":
+        return
+    per_seq = 1.0 + (rec["draft_tokens_per_step"] or 0.0)
+    depth = c.engine.budget.depth if c.engine is not None and per_seq > 1 else 0
+    floor = step_floor(base_model, rates, rec["batch_size"], per_seq, float(depth),
+                       s.prompt_tokens + s.max_new_tokens // 2, dtype_bytes)
+    rec["floor"] = floor
+    rec["step_over_floor"] = step_ms / floor["floor_ms"]
+
+
+def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, Any], bool]:
+    """Run the sweep; returns the results document and whether every check passed."""
+    t_start = time.monotonic()
+    max_batch = max(s.batch_sizes)
+    meta = run_metadata(s.device, s.model)
+    base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
+                     s.kv_memory_mb)
+    prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
+                                   s.num_prompts or max_batch, s.prompt_tokens)
+    modes = build_modes(s.modes, s.tree_budgets)
+    contenders, skipped = build_contenders(s.model, base, modes, parse_dtype(s.dtype))
+    for label, reason in skipped.items():
+        _log(f"mode {label}: skipped ({reason})")
+
+    check_prompts = batch_of(prompts, s.check_batch or max_batch)
+    if s.check_dtype and s.check_dtype != s.dtype:
+        check = _check_in_other_dtype(s, check_prompts, modes, max_batch)
+    else:
+        check = greedy_check(contenders, check_prompts, s.check_tokens or s.max_new_tokens)
+    ok = True
+    for c in list(contenders):
+        res = check.get(c.mode.label)
+        if c.engine is not None and res is not None and not res["match"]:
+            skipped[c.mode.label] = f"greedy output differs from ar: {res.get('error') or describe(res)}"
+            contenders.remove(c)
+            ok = False
+
+    rates = measure_rates(s.device) if s.device.startswith("cuda") else None
+    dtype_bytes = parse_dtype(s.dtype).itemsize
+    records: list[dict[str, Any]] = []
+    points = [(t, b) for t in s.temperatures for b in s.batch_sizes]
+    bar = tqdm(total=len(points) * s.repeats, disable=not progress, desc="offline", unit="round")
+    for temperature, bs in points:
+        prompts_b = batch_of(prompts, bs)
+        if s.time_limit_s is not None and time.monotonic() - t_start > s.time_limit_s:
+            for c in contenders:
+                records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature,
+                                            f"time limit of {s.time_limit_s:.0f} s reached"))
+            bar.update(s.repeats)
+            continue
+        runs: dict[str, list[BatchRun]] = {}
+        active = []
+        for c in contenders:
+            reason = c.skip_reason(bs) or skipped.get(c.mode.label)
+            if reason:
+                records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature, reason))
+                continue
+            active.append(c)
+            runs[c.mode.label] = []
+        for rep in range(-1, s.repeats):  # round -1: warm-up
+            for c in list(active):
+                bar.set_postfix_str(f"T={temperature} bs={bs} {c.mode.label}")
+                tokens = s.warmup_tokens if rep < 0 else s.max_new_tokens
+                try:
+                    run = c.run(prompts_b, tokens, temperature, seed=s.seed + max(rep, 0))
+                except Exception as exc:  # a mode that breaks mid-sweep is reported, not fatal
+                    skipped[c.mode.label] = f"{type(exc).__name__}: {exc}"[:300]
+                    _log(f"mode {c.mode.label} failed at T={temperature} bs={bs}: {skipped[c.mode.label]}")
+                    active.remove(c)
+                    records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature,
+                                                skipped[c.mode.label]))
+                    continue
+                if rep >= 0:
+                    runs[c.mode.label].append(run)
+            if rep >= 0:
+                bar.update(1)
+        ar_runs = runs.get("ar", [])
+        for c in active:
+            rec = make_record(c.mode.mode, c.mode.label, bs, temperature, runs[c.mode.label])
+            if ar_runs:
+                add_speedups(rec, runs[c.mode.label], ar_runs)
+                if temperature == 0.0:
+                    rec["greedy_match"] = runs[c.mode.label][0].tokens == ar_runs[0].tokens
+                    ok = ok and (rec["greedy_match"] or c.engine is None)
+            if rates is not None:
+                _floor_fields(c, rec, base.model, rates, s, dtype_bytes)
+            records.append(rec)
+            _log(_one_line(rec))
+    bar.close()
+    if s.price_per_hour is not None:
+        add_costs(records, s.price_per_hour)
+    result = {
+        **meta,
+        "settings": asdict(s),
+        "prompts": source,
+        "num_prompts": len(prompts),
+        "modes": [m.label for m in modes],
+        "skipped_modes": skipped,
+        "check": check,
+        "check_passed": ok,
+        "device_rates": rates,
+        "runs": records,
+        "wall_s": round(time.monotonic() - t_start, 1),
+        "loadavg_end": list(os.getloadavg()),
+    }
+    return result, ok
+
+
+def _one_line(rec: dict[str, Any]) -> str:
+    def f(x: Any, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    return (f"{rec['label']:<16} T={rec['temperature']:<4} bs={rec['batch_size']:<4} "
+            f"tok/s={f(rec['tokens_per_s'], '.1f')} tpot={f(rec['tpot_ms'], '.1f')}ms "
+            f"acc_len={f(rec['mean_accepted_length'], '.2f')} "
+            f"speedup={f(rec['speedup_vs_ar'], '.2f')} rollback={f(rec['rollback_ms_per_step'], '.3f')}ms"
+            + (f" step/floor={rec['step_over_floor']:.1f}" if rec.get("step_over_floor") else ""))

@@ -1,0 +1,133 @@
+"""Markdown report of a results JSON: settings, correctness, the offline table, serving, cost.
+
+``mtpserve bench report FILE.json`` rewrites ``FILE.md`` and the PNG plots next to it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.plots import write_plots
+from bench.results import read_json
+
+
+def _f(x: Any, spec: str = ".1f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _spread(rec: dict[str, Any], key: str, spec: str) -> str:
+    lo, hi = rec.get(f"{key}_min"), rec.get(f"{key}_max")
+    if rec.get(key) is None or lo is None:
+        return _f(rec.get(key), spec)
+    return f"{_f(rec[key], spec)} ({_f(lo, spec)}–{_f(hi, spec)})"
+
+
+def offline_table(runs: list[dict[str, Any]], with_cost: bool, with_floor: bool) -> list[str]:
+    head = ["T", "batch", "mode", "tokens/s (min–max)", "TPOT ms", "accepted len",
+            "speedup vs ar (min–max)", "rollback ms/step", "greedy = ar"]
+    if with_floor:
+        head.append("step / floor")
+    if with_cost:
+        head += ["$ / M tokens", "saving vs ar"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted((r for r in runs if not r["skipped"]),
+                    key=lambda r: (r["temperature"], r["batch_size"])):
+        match = {True: "yes", False: "**NO**", None: "–"}[r["greedy_match"]]
+        row = [_f(r["temperature"], "g"), str(r["batch_size"]), r["label"],
+               _spread(r, "tokens_per_s", ".1f"), _f(r["tpot_ms"]), _f(r["mean_accepted_length"], ".2f"),
+               _spread(r, "speedup_vs_ar", ".2f"), _f(r["rollback_ms_per_step"], ".3f"), match]
+        if with_floor:
+            row.append(_f(r["step_over_floor"], ".1f"))
+        if with_cost:
+            saving = r["saving_vs_ar"]
+            row += [_f(r["cost_per_million_tokens"], ".3f"), "–" if saving is None else f"{saving:+.0%}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def acceptance_table(runs: list[dict[str, Any]]) -> list[str]:
+    spec = [r for r in runs if r["acceptance_per_position"] and r["mode"] != "ar"]
+    if not spec:
+        return []
+    depth = max(len(r["acceptance_per_position"]) for r in spec)
+    bs = min(r["batch_size"] for r in spec)
+    head = ["T", "mode", *[f"d{d + 1}" for d in range(depth)]]
+    lines = [f"Acceptance per draft position (batch {bs}; share of verify steps whose accepted "
+             "path reached depth d):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted((r for r in spec if r["batch_size"] == bs), key=lambda r: (r["temperature"], r["label"])):
+        cells = [_f(a, ".2f") for a in r["acceptance_per_position"]]
+        cells += ["–"] * (depth - len(cells))
+        lines.append("| " + " | ".join([_f(r["temperature"], "g"), r["label"], *cells]) + " |")
+    return lines
+
+
+def serve_table(serve: dict[str, Any]) -> list[str]:
+    st = serve["settings"]
+    lines = [f"Load: {st.get('load')}, {st.get('duration_s')} s per setting, max_tokens "
+             f"{st.get('max_tokens')}, temperature {st.get('temperature')}, SLO TTFT ≤ "
+             f"{st.get('slo_ttft_ms')} ms and TPOT ≤ {st.get('slo_tpot_ms')} ms.", "",
+             "| speculation | requests | errors | req/s | output tok/s | goodput req/s | "
+             "TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | accepted len |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in serve["runs"]:
+        def pct(key: str, r: dict[str, Any] = r) -> str:
+            p = r[key]
+            return "/".join(_f(p[q], ".0f") for q in ("p50", "p90", "p99"))
+
+        lines.append(f"| {r['spec_method']} | {r['requests']} | {r['errors']} | {_f(r['requests_per_s'], '.2f')} | "
+                     f"{_f(r['output_tokens_per_s'])} | {_f(r['goodput_requests_per_s'], '.2f')} | "
+                     f"{pct('ttft_ms')} | {pct('tpot_ms')} | {pct('itl_ms')} | {pct('e2e_ms')} | "
+                     f"{_f(r.get('mean_accepted_length'), '.2f')} |")
+    return lines
+
+
+def render(doc: dict[str, Any], plots: list[Path]) -> str:
+    s = doc.get("settings", {})
+    runs = doc.get("runs", [])
+    out = [f"# mtpserve benchmark — {doc.get('device_tag', '?')} {str(doc.get('date', ''))[:10]}", "",
+           f"- model: `{doc.get('model')}`; device: {doc.get('device')}; commit `{doc.get('commit')}`",
+           f"- versions: {doc.get('versions')}; load average at start {doc.get('loadavg_start')}, "
+           f"end {doc.get('loadavg_end')}"]
+    if runs:
+        out += [f"- prompts: {doc.get('num_prompts')} × {s.get('prompt_tokens')} tokens, "
+                f"**{doc.get('prompts')}**; {s.get('max_new_tokens')} new tokens (EOS ignored); "
+                f"dtype {s.get('dtype')}; {s.get('repeats')} timed repeats after a warm-up, "
+                "median (min–max); modes alternate within each round",
+                f"- speedup vs ar is paired per round; tokens/s counts prefill; TPOT is per sequence "
+                f"after its first token; wall time {doc.get('wall_s')} s",
+                ""]
+        out += ["## Correctness (greedy, before timing)", ""]
+        for label, res in doc.get("check", {}).items():
+            from bench.check import describe
+
+            out.append(f"- {label} vs ar: " + (res.get("error") or describe(res)))
+        for label, reason in doc.get("skipped_modes", {}).items():
+            out.append(f"- {label}: not run — {reason}")
+        out += ["", "## Offline engine sweep", ""]
+        if doc.get("device_rates"):
+            rates = doc["device_rates"]
+            out += [f"Measured device rates: copy {rates['copy_gbps']:.0f} GB/s (read + write), "
+                    f"bf16 matmul {rates['matmul_tflops']:.0f} TFLOP/s.", ""]
+        with_cost = any(r["cost_per_million_tokens"] is not None for r in runs)
+        if with_cost:
+            out += [f"Cost at ${s.get('price_per_hour')} per device-hour.", ""]
+        out += offline_table(runs, with_cost, any(r["step_over_floor"] for r in runs))
+        out += [""] + acceptance_table(runs)
+        skipped = sorted({(r["label"], r["skipped"]) for r in runs if r["skipped"]})
+        if skipped:
+            out += ["", "Points not run:", ""] + [f"- {label}: {why}" for label, why in skipped]
+    if doc.get("serve"):
+        out += ["", "## Serving (live server, streaming clients)", ""] + serve_table(doc["serve"])
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(out) + "\n"
+
+
+def write_report(json_path: Path) -> tuple[Path, list[Path]]:
+    """Regenerate ``<stem>.md`` and the PNGs next to ``json_path``."""
+    doc = read_json(json_path)
+    plots = write_plots(doc, json_path.parent, json_path.stem)
+    md = json_path.with_suffix(".md")
+    md.write_text(render(doc, plots))
+    return md, plots

@@ -1,0 +1,138 @@
+"""Load-adaptive speculation: each step's draft budget from the simulator's planner.
+
+The trade-off has one model (``engine.simulator``): expected accepted length from acceptance
+statistics per depth and sibling rank, and step time from a latency model of the verify and
+draft forwards. This controller feeds it
+
+* a latency model measured on this device when the engine starts (``calibrate_latency``:
+  real target and MTP forwards over scratch KV blocks, at several batch sizes and tokens per
+  sequence), and
+* the acceptance statistics the engine measures online (``AcceptanceCounter``), starting from a
+  conservative prior until enough verify steps were seen,
+
+and asks for the tree (or no speculation) with the most tokens/s at the current batch size.
+When the plan says "do not speculate", one step in ``explore_every`` still drafts a small tree so
+the statistics stay current.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.batch_builder import SeqRows, build_batch, causal_mask
+from engine.kv.block_pool import BlockOwner
+from engine.simulator import AcceptanceStats, LatencyModel, SpeculationPlanner
+from engine.spec.drafter import TreeBudget
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+PRIOR = AcceptanceStats.chain([0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
+MIN_STEPS_FOR_LIVE_STATS = 32
+REPLAN_EVERY_STEPS = 256
+
+
+class AdaptiveController:
+    def __init__(self, engine: LLMEngine, max_budget: TreeBudget, explore_every: int = 16) -> None:
+        self.max_budget = max_budget
+        self.explore_every = explore_every
+        self.latency = calibrate_latency(engine, max_budget)
+        self._planner: SpeculationPlanner | None = None
+        self._planned_at_steps = -REPLAN_EVERY_STEPS
+        self._calls = 0
+
+    def _stats(self, engine: LLMEngine) -> AcceptanceStats:
+        snapshot = engine.acceptance.snapshot()
+        if int(snapshot["num_steps"]) < MIN_STEPS_FOR_LIVE_STATS:  # type: ignore[call-overload]
+            return PRIOR
+        try:
+            return AcceptanceStats.from_dict(snapshot)
+        except ValueError:
+            return PRIOR
+
+    def choose(self, engine: LLMEngine, batch_size: int) -> TreeBudget:
+        self._calls += 1
+        steps = engine.acceptance.num_steps
+        if self._planner is None or steps - self._planned_at_steps >= REPLAN_EVERY_STEPS:
+            self._planner = SpeculationPlanner(
+                self._stats(engine),
+                self.latency,
+                budgets=range(0, self.max_budget.num_draft_tokens + 1),
+                max_depth=self.max_budget.depth,
+                max_width=self.max_budget.topk,
+            )
+            self._planned_at_steps = steps
+        plan = self._planner.plan(batch_size)
+        if plan.budget == 0:
+            if self._calls % self.explore_every:
+                return TreeBudget(topk=1, depth=0, num_draft_tokens=0)
+            return TreeBudget(topk=1, depth=2, num_draft_tokens=2)
+        return TreeBudget(topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget)
+
+
+def _grid(device: torch.device, max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
+    batches: tuple[int, ...]
+    tokens: tuple[int, ...]
+    if device.type == "cpu":  # keep CPU start-up to a few seconds
+        batches, tokens, limit = (1, 4, 16), (1, 2, 4, 8, 16), 64
+    else:
+        batches, tokens, limit = (1, 4, 16, 64, 256), (1, 2, 4, 8, 16, 32, 64), 1 << 15
+    batches = tuple(b for b in batches if b <= max_batch) or (1,)
+    tokens = tuple(t for t in tokens if t <= max_tokens + 1) or (1,)
+    return [(b, t) for b in batches for t in tokens if b * t <= limit]
+
+
+@torch.inference_mode()
+def calibrate_latency(engine: LLMEngine, max_budget: TreeBudget, context: int = 64) -> LatencyModel:
+    """Time real target and MTP forwards over scratch blocks; returns measured surfaces."""
+    pool = engine.pool
+    device = engine.device
+    grid = _grid(device, engine.config.max_batch_size, max_budget.num_draft_tokens)
+    blocks_per_seq = -(-(context + 65) // pool.block_size)
+    max_b = max(b for b, _ in grid)
+    max_b = min(max_b, pool.num_free // blocks_per_seq)
+    grid = [(b, t) for b, t in grid if b <= max_b]
+    owner = BlockOwner("latency-calibration")
+    blocks = pool.allocate(blocks_per_seq * max(max_b, 1), owner)
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    verify, draft = [], []
+    try:
+        for b, t in grid:
+            rows = []
+            for i in range(b):
+                seq_blocks = blocks[i * blocks_per_seq : (i + 1) * blocks_per_seq]
+                ids = torch.randint(0, vocab, (t,), generator=gen).tolist()
+                rows.append(SeqRows(seq_blocks, context, ids, list(range(context, context + t)), causal_mask(t)))
+            ids_t, batch = build_batch(rows, pool.block_size, device)
+            hidden = torch.zeros(ids_t.shape[0], engine.model_config.hidden_size, device=device,
+                                 dtype=next(engine.model.parameters()).dtype)
+            verify.append({"batch_size": b, "tokens": t, "seconds": _time(lambda: engine.model.logits(
+                engine.model.forward_target(ids_t, batch, pool.kv_cache)), device)})
+            if engine.model_config.num_mtp_modules:
+                draft.append({"batch_size": b, "tokens": t, "seconds": _time(lambda: engine.model.logits(
+                    engine.model.forward_mtp(1, hidden, ids_t, batch, pool.kv_cache)), device)})
+    finally:
+        pool.free(blocks)  # zeroes what the calibration wrote
+    measurements: dict[str, object] = {"verify": verify}
+    if draft:
+        measurements["draft_per_depth"] = draft
+    return LatencyModel.fit(measurements)
+
+
+def _time(fn: object, device: torch.device, repeats: int = 3) -> float:
+    run = fn  # type: ignore[assignment]
+    run()  # type: ignore[operator]  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()  # type: ignore[operator]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
