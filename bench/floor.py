@@ -31,17 +31,23 @@ def _time_cuda_ms(fn: Any, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _copy_ms(dev: torch.device, nbytes: int) -> float:
+    src = torch.randn(nbytes // 2, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return _time_cuda_ms(lambda: dst.copy_(src))
+
+
+def _matmul_ms(dev: torch.device, n: int) -> float:
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    return _time_cuda_ms(lambda: a @ b)
+
+
 def measure_rates(device: str, copy_bytes: int = 1 << 30, n: int = 8192) -> dict[str, float]:
     """Measured ``copy_gbps`` (read + write) and ``matmul_tflops`` (bf16) of the device."""
     dev = torch.device(device)
-    src = torch.randn(copy_bytes // 2, device=dev, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = _time_cuda_ms(lambda: dst.copy_(src))
-    del src, dst
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    mm_ms = _time_cuda_ms(lambda: a @ b)
-    del a, b
+    copy_ms = _copy_ms(dev, copy_bytes)
+    mm_ms = _matmul_ms(dev, n)
     torch.cuda.empty_cache()
     return {"copy_gbps": 2 * copy_bytes / copy_ms / 1e6, "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
 

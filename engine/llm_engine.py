@@ -31,7 +31,7 @@ from engine.sampling import (
     token_counts,
 )
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import AdaptiveController
 from engine.spec.defaults import resolve_budget

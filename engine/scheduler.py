@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockOwner, BlockPool
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

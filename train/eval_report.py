@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-# (key, description, mode, figure, comparison, target)
-GOALS: tuple[tuple[str, str, str, str, str, float], ...] = (
-    ("tree_t1_mean_accepted_length", "tree T=1.0 mean accepted length", "tree@T1",
-     "mean_accepted_length", ">=", 3.0),
-    ("tree_t1_position1_acceptance", "tree T=1.0 position-1 acceptance", "tree@T1",
-     "position1", ">=", 0.72),
-    ("tree_t1_repeated_4grams", "tree T=1.0 repeated 4-gram share", "tree@T1",
-     "repeated_4gram_share", "<=", 0.30),
-    ("tree_greedy_mean_accepted_length", "tree greedy mean accepted length", "tree@T0",
-     "mean_accepted_length", ">=", 3.5),
-)
+
+@dataclass(frozen=True)
+class Goal:
+    key: str
+    text: str
+    mode: str  # a Mode.name
+    figure: str  # a key of the mode's result, or "position1"
+    op: str  # ">=" | "<="
+    target: float
+
+
+GOALS = (
+    Goal("tree_t1_mean_accepted_length", "tree T=1.0 mean accepted length", "tree@T1",
+         "mean_accepted_length", ">=", 3.0),
+    Goal("tree_t1_position1_acceptance", "tree T=1.0 position-1 acceptance", "tree@T1",
+         "position1", ">=", 0.72),
+    Goal("tree_t1_repeated_4grams", "tree T=1.0 repeated 4-gram share", "tree@T1",
+         "repeated_4gram_share", "<=", 0.30),
+    Goal("tree_greedy_mean_accepted_length", "tree greedy mean accepted length", "tree@T0",
+         "mean_accepted_length", ">=", 3.5),
+)  # fmt: skip
 
 
 def _figure(run: dict[str, Any], figure: str) -> float:
@@ -27,12 +38,12 @@ def _figure(run: dict[str, Any], figure: str) -> float:
 def check_goals(modes: dict[str, dict[str, Any]], greedy_identical: bool) -> dict[str, Any]:
     """Each goal with its target, measured value and whether it is met (absent modes skipped)."""
     goals: dict[str, Any] = {}
-    for key, text, mode, figure, op, target in GOALS:
-        if mode not in modes:
+    for g in GOALS:
+        if g.mode not in modes:
             continue
-        value = _figure(modes[mode], figure)
-        met = value >= target if op == ">=" else value <= target
-        goals[key] = {"goal": f"{text} {op} {target:g}", "value": value, "met": met}
+        value = _figure(modes[g.mode], g.figure)
+        met = value >= g.target if g.op == ">=" else value <= g.target
+        goals[g.key] = {"goal": f"{g.text} {g.op} {g.target:g}", "value": value, "met": met}
     goals["greedy_identical_to_ar"] = {
         "goal": "greedy output of every speculative mode identical to autoregressive",
         "value": greedy_identical,

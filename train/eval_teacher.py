@@ -39,9 +39,7 @@ class HeldoutTokens:
     stream: np.ndarray  # [N] packed BOS ids [EOS], at most max_tokens per file share
 
 
-def tokenize_heldout(
-    tokenizer: Any, files: list[Path], max_tokens: int
-) -> HeldoutTokens:
+def tokenize_heldout(tokenizer: Any, files: list[Path], max_tokens: int) -> HeldoutTokens:
     if not files:
         raise ValueError("no held-out files found")
     texts = [f.read_text(encoding="utf-8") for f in files]

@@ -100,6 +100,7 @@ def calibrate_latency(engine: LLMEngine, max_budget: TreeBudget, context: int = 
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     verify, draft = [], []
+    model = engine.model
     try:
         for b, t in grid:
             rows = []
@@ -110,11 +111,13 @@ def calibrate_latency(engine: LLMEngine, max_budget: TreeBudget, context: int = 
             ids_t, batch = build_batch(rows, pool.block_size, device)
             hidden = torch.zeros(ids_t.shape[0], engine.model_config.hidden_size, device=device,
                                  dtype=next(engine.model.parameters()).dtype)
-            verify.append({"batch_size": b, "tokens": t, "seconds": _time(lambda: engine.model.logits(
-                engine.model.forward_target(ids_t, batch, pool.kv_cache)), device)})
+            verify_s = _time(lambda i=ids_t, bt=batch: model.logits(  # type: ignore[misc]
+                model.forward_target(i, bt, pool.kv_cache)), device)
+            verify.append({"batch_size": b, "tokens": t, "seconds": verify_s})
             if engine.model_config.num_mtp_modules:
-                draft.append({"batch_size": b, "tokens": t, "seconds": _time(lambda: engine.model.logits(
-                    engine.model.forward_mtp(1, hidden, ids_t, batch, pool.kv_cache)), device)})
+                draft_s = _time(lambda i=ids_t, bt=batch, h=hidden: model.logits(  # type: ignore[misc]
+                    model.forward_mtp(1, h, i, bt, pool.kv_cache)), device)
+                draft.append({"batch_size": b, "tokens": t, "seconds": draft_s})
     finally:
         pool.free(blocks)  # zeroes what the calibration wrote
     measurements: dict[str, object] = {"verify": verify}

@@ -18,6 +18,7 @@ SPECS = [
     SpecConfig(method="tree"),
     SpecConfig(method="tree", topk=3, depth=6, num_draft_tokens=12),
     SpecConfig(method="tree", topk=2, depth=3, num_draft_tokens=4, reuse_last_module=False),
+    SpecConfig(method="adaptive"),
 ]
 
 
@@ -45,13 +46,14 @@ def test_greedy_speculation_equals_autoregressive(small_vocab_dir: Path, spec: S
     for b, o in zip(base, outs, strict=True):
         assert o.token_ids == b.token_ids
     total_accepted = sum(o.stats.num_accepted_tokens for o in outs)
-    assert total_accepted > 0, "the test should exercise accepted drafts"
+    if spec.method != "adaptive":  # adaptive may rightly decide not to speculate here
+        assert total_accepted > 0, "the test should exercise accepted drafts"
     for o in outs:
         s = o.stats
         assert s.num_steps > 0 and s.num_draft_tokens >= s.num_steps
         assert s.mean_accepted_length == pytest.approx(1 + s.num_accepted_tokens / s.num_steps)
         assert sum(s.accepted_per_position) == s.num_accepted_tokens
-        assert all(a >= b for a, b in zip(s.accepted_per_position, s.accepted_per_position[1:]))
+        assert all(a >= b for a, b in zip(s.accepted_per_position, s.accepted_per_position[1:], strict=False))
 
 
 def test_greedy_speculation_moe(small_vocab_moe_dir: Path) -> None:
@@ -114,3 +116,20 @@ def test_freed_blocks_are_zeroed_and_reported(small_vocab_dir: Path) -> None:
     events = eng.drain_zero_events()
     assert len(events) == 1 and events[0].bytes == events[0].blocks * eng.pool.bytes_per_block
     assert eng.pool.zeroed_bytes_total == events[0].bytes
+
+
+def test_adaptive_follows_the_latency_model(small_vocab_dir: Path) -> None:
+    """Cheap verify tokens -> speculate; verify cost growing with every token -> do not."""
+    from engine.simulator import LatencyModel
+
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    controller = eng.adaptive
+    assert controller is not None
+    controller.latency = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
+    controller._planner = None
+    assert controller.choose(eng, 1).speculates
+    controller.latency = LatencyModel.analytic(verify_fixed=1e-6, verify_per_token=0.01)
+    controller._planner = None
+    controller._calls = 0  # one step in `explore_every` still drafts a little, by design
+    choices = [controller.choose(eng, 64) for _ in range(controller.explore_every - 1)]
+    assert not any(c.speculates for c in choices)

@@ -1,0 +1,74 @@
+"""Smoke run of ``mtpserve bench offline`` on a tiny random model: the JSON is complete and the
+modes agree on greedy tokens. No timing assertions: benchmarks print figures, tests check them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.cli import main
+from bench.records import FIELDS
+
+TOP_LEVEL = ("date", "commit", "device", "model", "settings", "runs", "prompts", "check",
+             "loadavg_start")
+
+
+@pytest.fixture(scope="module")
+def offline_result(tmp_path_factory: pytest.TempPathFactory, dense_model_dir: Path) -> tuple[int, dict, Path]:
+    out = tmp_path_factory.mktemp("bench") / "cpu-smoke.json"
+    rc = main(["offline", "--model", str(dense_model_dir), "--device", "cpu", "--out", str(out),
+               "--batch-sizes", "1,2", "--temperatures", "0,0.7", "--max-new-tokens", "6",
+               "--prompt-tokens", "8", "--repeats", "1", "--warmup-tokens", "2",
+               "--modes", "chain,tree,adaptive,transformers,transformers-mtp", "--tree-budgets", "3",
+               "--price-per-hour", "1.0", "--no-progress"])
+    return rc, json.loads(out.read_text()), out
+
+
+def test_json_has_every_field(offline_result: tuple[int, dict, Path]) -> None:
+    rc, doc, _ = offline_result
+    assert rc == 0
+    for key in TOP_LEVEL:
+        assert key in doc, key
+    assert doc["prompts"] == "synthetic"  # the random checkpoint has no training manifest
+    assert doc["runs"]
+    for run in doc["runs"]:
+        assert set(FIELDS) <= set(run), set(FIELDS) - set(run)
+    done = {(r["label"], r["batch_size"], r["temperature"]) for r in doc["runs"] if not r["skipped"]}
+    for label in ("ar", "chain", "tree-3", "transformers"):
+        for bs in (1, 2):
+            for t in (0.0, 0.7):
+                assert (label, bs, t) in done, (label, bs, t)
+    ar = [r for r in doc["runs"] if r["label"] == "ar" and not r["skipped"]]
+    assert all(r["mean_accepted_length"] == 1.0 and r["speedup_vs_ar"] == 1.0 for r in ar)
+    spec = [r for r in doc["runs"] if r["mode"] in ("chain", "tree") and not r["skipped"]]
+    assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in spec)
+    assert all(r["rollback_ms_per_step"] is not None and r["cost_per_million_tokens"] > 0 for r in spec)
+
+
+def test_modes_agree_on_greedy_tokens(offline_result: tuple[int, dict, Path]) -> None:
+    _, doc, _ = offline_result
+    assert doc["check_passed"]
+    for label in ("chain", "tree-3", "transformers"):
+        assert doc["check"][label]["match"], (label, doc["check"][label])
+    greedy = [r for r in doc["runs"] if r["temperature"] == 0.0 and not r["skipped"]]
+    assert all(r["greedy_match"] for r in greedy)
+
+
+def test_unavailable_modes_say_why(offline_result: tuple[int, dict, Path]) -> None:
+    _, doc, _ = offline_result
+    # transformers reads MTP weights only at layer 61; the tiny model has 2 layers
+    assert "61" in doc["skipped_modes"]["transformers-mtp"]
+    for run in doc["runs"]:
+        if run["label"] == "transformers-mtp":
+            assert run["skipped"] and run["tokens_per_s"] is None
+
+
+def test_report_from_json(offline_result: tuple[int, dict, Path]) -> None:
+    _, _, path = offline_result
+    assert main(["report", str(path)]) == 0
+    md = path.with_suffix(".md").read_text()
+    assert "| T | batch | mode |" in md and "tree-3" in md
+    assert (path.parent / f"{path.stem}-speedup.png").stat().st_size > 1000
+    assert (path.parent / f"{path.stem}-acceptance.png").stat().st_size > 1000
