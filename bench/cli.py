@@ -36,8 +36,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/demo", help="model folder (default models/demo)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--out", type=Path, default=None,
-                   help="results JSON path (default bench/results/<device>-<date>.json)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+                   help="results JSON file, or a folder for <device>-<date>.json (default bench/results/)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (serve: of the server it starts); on a shared machine 1 "
+                        "avoids threads spinning against other processes")
     p.add_argument("--no-report", action="store_true", help="do not write the .md and PNGs")
 
 
@@ -76,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--url", default=None, help="target a running server instead of starting one")
     srv.add_argument("--api-key", default=None, help="with --url (default $MTPSERVE_API_KEY)")
     srv.add_argument("--label", default="external", help="with --url: name of the setting")
+    srv.add_argument("--server-logs", type=Path, default=None,
+                     help="folder for the started servers' logs (default: a temp folder)")
     srv.add_argument("--spec-methods", type=_strs, default=["tree", "none"])
     srv.add_argument("--server-args", default="", help="extra flags for mtpserve serve (one string)")
     load = srv.add_mutually_exclusive_group()
@@ -111,9 +115,9 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour,
     )
     doc, ok = run_offline(settings, progress=not args.no_progress)
-    from bench.results import default_json_path, read_json, write_json
+    from bench.results import read_json, write_json
 
-    path = args.out or default_json_path(doc["device_tag"])
+    path = _json_path(args.out, doc["device_tag"])
     if path.is_file() and "serve" in (old := read_json(path)):
         doc["serve"] = old["serve"]  # keep a serving section written earlier
     write_json(doc, path)
@@ -126,9 +130,10 @@ def _offline(args: argparse.Namespace, device: str) -> int:
 
 def _serve(args: argparse.Namespace, device: str) -> int:
     import shlex
+    import tempfile
 
     from bench.meta import device_tag, run_metadata
-    from bench.results import default_json_path, merge_section
+    from bench.results import merge_section
     from bench.serve import ServeSettings, run_serve
 
     settings = ServeSettings(
@@ -137,15 +142,27 @@ def _serve(args: argparse.Namespace, device: str) -> int:
         concurrency=args.concurrency if args.concurrency or args.rate else 4, rate=args.rate,
         duration_s=args.duration_s, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
         num_prompts=args.num_prompts, temperature=args.temperature,
-        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, threads=args.threads,
     )
-    path = args.out or default_json_path(device_tag(device))
-    section = run_serve(settings, log_dir=path.parent)
+    path = _json_path(args.out, device_tag(device))
+    log_dir = args.server_logs or Path(tempfile.gettempdir()) / "mtpserve-bench-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"server logs in {log_dir}")
+    section = run_serve(settings, log_dir=log_dir)
     merge_section(path, "serve", section, run_metadata(device, args.model))
     print(f"wrote serve section of {path}")
     _report(path, args.no_report)
     errors = sum(r["errors"] for r in section["runs"])
     return 0 if errors == 0 else 1
+
+
+def _json_path(out: Path | None, tag: str) -> Path:
+    """``--out``: a ``.json`` file, or a folder that gets ``<device>-<date>.json``."""
+    from bench.results import default_json_path
+
+    if out is not None and out.suffix == ".json":
+        return out
+    return default_json_path(tag, out)
 
 
 def _report(path: Path, skip: bool) -> None:

@@ -45,7 +45,9 @@ class HFBaseline:
 
     def __init__(self, model_dir: str | Path, device: str, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.set_verbosity_error()  # the engine-only MTP tensors are "unexpected" to it
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device)
         self.model.eval()
@@ -56,12 +58,12 @@ class HFBaseline:
 
         kwargs: dict[str, Any] = dict(
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
-            pad_token_id=self.pad_id, top_k=0, top_p=1.0,
+            pad_token_id=self.pad_id,
         )
-        if temperature > 0:
-            kwargs.update(do_sample=True, temperature=temperature)
+        if temperature > 0:  # plain temperature sampling, as the engine's SamplingParams defaults
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
-            kwargs.update(do_sample=False, temperature=None)
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         if use_mtp:
             kwargs["use_mtp"] = True
         return GenerationConfig(**kwargs)

@@ -150,8 +150,8 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
             active.append(c)
             runs[c.mode.label] = []
         for rep in range(-1, s.repeats):  # round -1: warm-up
+            bar.set_postfix_str(f"T={temperature} bs={bs}" + (" warm-up" if rep < 0 else ""))
             for c in list(active):
-                bar.set_postfix_str(f"T={temperature} bs={bs} {c.mode.label}")
                 tokens = s.warmup_tokens if rep < 0 else s.max_new_tokens
                 try:
                     run = c.run(prompts_b, tokens, temperature, seed=s.seed + max(rep, 0))

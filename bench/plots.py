@@ -1,14 +1,22 @@
-"""PNG plots of a results JSON (matplotlib, headless): speedup, acceptance, serving latency."""
+"""PNG plots of a results JSON (matplotlib, headless): speedup, acceptance, serving latency.
+
+matplotlib is imported only here and only when plotting, so a machine without it (the GPU host)
+still runs the benchmark; ``mtpserve bench report FILE.json`` makes the plots later elsewhere.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _temperatures(runs: list[dict[str, Any]]) -> list[float]:
@@ -19,6 +27,7 @@ def speedup_plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
     done = [r for r in runs if r["speedup_vs_ar"] is not None]
     if not done:
         return None
+    plt = _pyplot()
     temps = _temperatures(done)
     fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False)
     for ax, t in zip(axes[0], temps, strict=True):
@@ -48,6 +57,7 @@ def acceptance_plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     bs = min(r["batch_size"] for r in spec)
     temps = _temperatures(spec)
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False)
     for ax, t in zip(axes[0], temps, strict=True):
         for r in sorted((r for r in spec if r["batch_size"] == bs and r["temperature"] == t),
@@ -69,6 +79,7 @@ def latency_plot(serve: dict[str, Any], path: Path) -> Path | None:
     runs = serve.get("runs") or []
     if not runs:
         return None
+    plt = _pyplot()
     metrics = [("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(16, 3.8))
     width = 0.8 / len(runs)
@@ -86,6 +97,12 @@ def latency_plot(serve: dict[str, Any], path: Path) -> Path | None:
 
 
 def write_plots(doc: dict[str, Any], folder: Path, stem: str) -> list[Path]:
+    """The PNGs that apply to ``doc`` (none, with a note, when matplotlib is missing)."""
+    try:
+        _pyplot()
+    except ImportError:
+        print("matplotlib is not installed: no plots (run `mtpserve bench report` elsewhere)")
+        return []
     runs = doc.get("runs", [])
     made = [speedup_plot(runs, folder / f"{stem}-speedup.png"),
             acceptance_plot(runs, folder / f"{stem}-acceptance.png")]

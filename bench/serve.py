@@ -32,6 +32,7 @@ class ServeSettings:
     spec_methods: list[str] = field(default_factory=lambda: ["tree", "none"])
     device: str = "cpu"
     server_args: list[str] = field(default_factory=list)
+    threads: int | None = None  # torch CPU threads of a server started here
     concurrency: int | None = 4
     rate: float | None = None
     duration_s: float = 30.0
@@ -98,13 +99,14 @@ def run_serve(s: ServeSettings, log_dir: Path | None = None, echo: Any = print) 
     for method in [] if s.url else s.spec_methods:
         log_path = (log_dir / f"serve-{method}.log") if log_dir else None
         echo(f"serve: starting server with --spec-method {method} ...")
-        with ServerProcess(s.model, method, s.device, s.server_args, log_path) as server:
+        with ServerProcess(s.model, method, s.device, s.server_args, log_path,
+                           threads=s.threads) as server:
             echo(f"serve: {s.duration_s:.0f} s of load ({'rate ' + str(s.rate) if s.rate else f'concurrency {s.concurrency}'})")
             runs.append({"spec_method": method, **_load_once(s, server.url, server.key, prompts)})
         r = runs[-1]
         echo(f"serve[{method}]: {r['completed']} requests, {r['errors']} errors, "
-             f"{r['output_tokens_per_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_ms']['p50']} ms, "
-             f"TPOT p50 {r['tpot_ms']['p50']} ms")
+             f"{r['output_tokens_per_s'] or 0:.1f} tok/s, TTFT p50 {r['ttft_ms']['p50'] or 0:.0f} ms, "
+             f"TPOT p50 {r['tpot_ms']['p50'] or 0:.1f} ms")
     settings = asdict(s)
     settings.pop("api_key", None)
     settings["load"] = f"rate {s.rate}/s (Poisson)" if s.rate else f"concurrency {s.concurrency}"

@@ -32,13 +32,14 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, model: str, spec_method: str, device: str = "cpu",
                  extra_args: list[str] | None = None, log_path: Path | None = None,
-                 ready_timeout_s: float = 300.0) -> None:
+                 ready_timeout_s: float = 300.0, threads: int | None = None) -> None:
         self.model = model
         self.spec_method = spec_method
         self.device = device
         self.extra_args = extra_args or []
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
+        self.threads = threads  # torch CPU threads of the server (OMP_NUM_THREADS)
         self.key = "bench-" + secrets.token_urlsafe(24)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -55,6 +56,8 @@ class ServerProcess:
                "--device", self.device, *self.extra_args]
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 (closed by the child's exit)
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
         self._proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self._wait_ready()

@@ -50,7 +50,9 @@ def test_greedy_speculation_equals_autoregressive(small_vocab_dir: Path, spec: S
         assert total_accepted > 0, "the test should exercise accepted drafts"
     for o in outs:
         s = o.stats
-        assert s.num_steps > 0 and s.num_draft_tokens >= s.num_steps
+        assert s.num_steps > 0
+        if spec.method != "adaptive":
+            assert s.num_draft_tokens >= s.num_steps
         assert s.mean_accepted_length == pytest.approx(1 + s.num_accepted_tokens / s.num_steps)
         assert sum(s.accepted_per_position) == s.num_accepted_tokens
         assert all(a >= b for a, b in zip(s.accepted_per_position, s.accepted_per_position[1:], strict=False))
