@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offline", help="engine sweep: modes x batch sizes x temperatures")
     _add_common(off)
     off.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    off.add_argument("--check-dtype", default=None, help="dtype of the greedy check (default: --dtype)")
+    off.add_argument("--check-dtype", default=None, help="dtype of the greedy check before timing (default: float32)")
     off.add_argument("--batch-sizes", type=_ints, default=None,
                      help="comma list (default CPU 1,2,4,...,64; GPU 1,2,4,...,256)")
     off.add_argument("--temperatures", type=_floats, default=[0.0, 0.7])
@@ -105,7 +105,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
     top = 256 if gpu else 64
     settings = OfflineSettings(
         model=args.model, device=device, dtype=args.dtype or ("bfloat16" if gpu else "float32"),
-        check_dtype=args.check_dtype,
+        check_dtype=args.check_dtype or ("float32" if gpu else None),
         batch_sizes=args.batch_sizes or [2**i for i in range(top.bit_length()) if 2**i <= top],
         temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens, num_prompts=args.num_prompts, modes=args.modes,

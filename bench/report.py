@@ -97,7 +97,11 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
                 f"- speedup vs ar is paired per round; tokens/s counts prefill; TPOT is per sequence "
                 f"after its first token; wall time {doc.get('wall_s')} s",
                 ""]
-        out += ["## Correctness (greedy, before timing)", ""]
+        out += [f"## Correctness (greedy, before timing, {doc.get('check_dtype')})", ""]
+        if doc.get("greedy_match_strict") is False:
+            out += [f"Timing ran in {s.get('dtype')}: there, verify and decode forwards round "
+                    "differently, so the column 'greedy = ar' of timed runs is information; the "
+                    "lossless check is this one.", ""]
         for label, res in doc.get("check", {}).items():
             from bench.check import describe
 

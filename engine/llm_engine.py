@@ -18,6 +18,7 @@ import torch
 
 from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.kv.block_pool import BlockPool, KVCacheFull
+from engine.kv.compaction import compact_and_zero
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.loader import load_model, parse_dtype
@@ -361,19 +362,34 @@ class LLMEngine:
         logits = self.model.logits(hidden)  # [N, V]
         t2 = time.perf_counter()
         offset = 0
-        rollback = 0.0
+        results: list[AcceptResult] = []
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
+        zero: list[torch.Tensor] = []
         for seq, tree in zip(seqs, trees, strict=True):
             n = tree.num_nodes
             result = self._verify(seq, tree, logits[offset : offset + n])
-            r0 = time.perf_counter()
-            slots = batch.slot_mapping[offset : offset + n]
-            self._commit_path(seq, tree, result, slots, hidden[offset : offset + n])
-            rollback += time.perf_counter() - r0
+            results.append(result)
+            path = torch.tensor(result.accepted, device=self.device)
+            slots = batch.slot_mapping[offset : offset + n]  # [n] flat slots of the tree
+            m = len(result.accepted) - 1
+            if any(a != i for i, a in enumerate(result.accepted)):
+                src.append(slots[path])
+                dst.append(slots[: m + 1])
+            zero.append(slots[m + 1 :])
+            if self.drafter is not None:
+                seq.push_hidden(0, seq.num_committed, hidden[offset : offset + n][path])
+            seq.num_committed += m + 1
             offset += n
+        r0 = time.perf_counter()
+        self._compact(src, dst, zero)
+        rollback = time.perf_counter() - r0
+        for seq, tree, result in zip(seqs, trees, results, strict=True):
             self.acceptance.record(tree, result.accepted)
-            seq.stats.record_step(n - 1, result.num_accepted)
+            drafted = tree.num_nodes - 1
+            seq.stats.record_step(drafted, result.num_accepted)
             new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
-            self._append_tokens(seq, new_tokens, outputs, drafted=n - 1, accepted=result.num_accepted)
+            self._append_tokens(seq, new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
         self.last_timings = StepTimings(draft=t1 - t0, verify=t2 - t1, rollback=rollback)
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
@@ -395,28 +411,20 @@ class LLMEngine:
         )
         return verify_sampling(tree, probs, seq.generator)
 
-    def _commit_path(
-        self,
-        seq: Sequence,
-        tree: DraftTree,
-        result: AcceptResult,
-        slots: torch.Tensor,  # [n] flat slots of the tree nodes
-        hidden: torch.Tensor,  # [n, H]
+    def _compact(
+        self, src: list[torch.Tensor], dst: list[torch.Tensor], zero: list[torch.Tensor]
     ) -> None:
-        """Move the accepted path's target KV to contiguous slots; zero the rest of the tree."""
-        path = result.accepted
-        m = len(path) - 1
-        main = slice(0, self.model_config.num_hidden_layers)
-        flat = self.pool.kv_cache.view(self.pool.kv_cache.shape[0], -1, self.pool.kv_cache.shape[-1])
-        if any(a != i for i, a in enumerate(path)):
-            src = slots[torch.tensor(path)]
-            dst = slots[: m + 1]
-            flat[main, dst] = flat[main, src]
-        if tree.num_nodes > m + 1:
-            self.pool.zero_slots(slots[m + 1 :], main)
-        if self.drafter is not None:
-            seq.push_hidden(0, seq.num_committed, hidden[torch.tensor(path)])
-        seq.num_committed += m + 1
+        """One fused call for the batch: move accepted target KV down, zero rejected slots."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        main_layers = self.pool.kv_cache[: self.model_config.num_hidden_layers]
+        compact_and_zero(
+            main_layers,
+            torch.cat(src) if src else empty,
+            torch.cat(dst) if dst else empty,
+            torch.cat(zero) if zero else empty,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the rollback time is the kernel's
 
     # ------------------------------------------------------------------ tokens and finishing
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:

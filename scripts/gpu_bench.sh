@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU benchmark in one command (an H200, within 9 minutes of wall time):
+#
+#   scripts/gpu_bench.sh RESULTS_DIR [MODEL_DIR]
+#
+# 1. trains the `gpu` preset model into MODEL_DIR unless it already holds one (about 4 minutes);
+# 2. runs `mtpserve bench offline` on CUDA in bf16 (greedy check in float32 first), with a time
+#    limit so the whole script ends in time: points not started in time are listed as skipped;
+# 3. writes into RESULTS_DIR: <device>-<date>.json, .md, a few PNGs (if matplotlib is
+#    installed; otherwise run `mtpserve bench report FILE.json` elsewhere) and gpu_bench.log.
+# Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
+# 200), DEADLINE_S (default 530: seconds from start by which the sweep must end),
+# PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
+# BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: $0 RESULTS_DIR [MODEL_DIR]}
+WORK=${WORK:-/tmp/mtpserve-bench}
+MODEL=${2:-$WORK/gpu}
+PY=${PYTHON:-python3}
+START=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-530}
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+exec > >(tee -a "$OUT/gpu_bench.log") 2>&1
+
+"$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "transformers", transformers.__version__)'
+
+if [ ! -f "$MODEL/config.json" ]; then
+    echo "== training the gpu preset into $MODEL"
+    rm -rf "$MODEL" "$MODEL.work"
+    "$PY" -m train --preset gpu --out "$MODEL" --work-dir "$MODEL.work" \
+        --time-budget-s "${TRAIN_BUDGET_S:-200}"
+fi
+ELAPSED=$(( $(date +%s) - START ))
+# Leave room for model load, the float32 check, device-rate measurement and the last point.
+LIMIT=$(( DEADLINE_S - ELAPSED - 150 ))
+if [ "$LIMIT" -lt 30 ]; then LIMIT=30; fi
+echo "== benchmark (elapsed ${ELAPSED} s; sweep points start within ${LIMIT} s)"
+"$PY" -m engine bench offline --model "$MODEL" --device cuda --dtype bfloat16 \
+    --check-dtype float32 --check-batch 8 \
+    --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures 0,0.7 \
+    --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
+    --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
+    --tree-budgets "${TREE_BUDGETS:-8,32}" --repeats "${REPEATS:-3}" \
+    --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
+    --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
+echo "== done in $(( $(date +%s) - START )) s"
+ls -la "$OUT"
