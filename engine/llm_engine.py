@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 
 from engine.batch_builder import SeqRows, build_batch, causal_mask
+from engine.cuda_graphs import StaticTargetForward
 from engine.kv.block_pool import BlockPool, KVCacheFull
 from engine.kv.compaction import compact_and_zero
+from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.loader import load_model, parse_dtype
@@ -94,6 +96,16 @@ class LLMEngine:
         self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if cfg.num_mtp_modules else None
         self.acceptance = AcceptanceCounter()
         self.last_timings = StepTimings()
+        self.static_forward: StaticTargetForward | None = None
+        use_static = engine_config.cuda_graphs
+        if use_static is None:
+            use_static = device.type == "cuda"
+        if use_static:
+            max_blocks = -(-(self.max_model_len + scratch) // engine_config.block_size)
+            self.static_forward = StaticTargetForward(
+                model, self.pool, (1, self.budget.num_draft_tokens + 1), max_blocks,
+                engine_config.max_batch_size, use_graphs=device.type == "cuda",
+            )  # fmt: skip
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget)
@@ -331,7 +343,7 @@ class LLMEngine:
             for seq in seqs
         ]
         ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        hidden = self.model.forward_target(ids, batch, self.pool.kv_cache)
+        hidden = self._forward_target(ids, batch)
         logits = self.model.logits(hidden)
         for i, seq in enumerate(seqs):
             if self.drafter is not None:
@@ -358,7 +370,7 @@ class LLMEngine:
             for seq, tree in zip(seqs, trees, strict=True)
         ]
         ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        hidden = self.model.forward_target(ids, batch, self.pool.kv_cache)  # [N, H]
+        hidden = self._forward_target(ids, batch)  # [N, H]
         logits = self.model.logits(hidden)  # [N, V]
         t2 = time.perf_counter()
         offset = 0
@@ -391,6 +403,12 @@ class LLMEngine:
             new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
             self._append_tokens(seq, new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
         self.last_timings = StepTimings(draft=t1 - t0, verify=t2 - t1, rollback=rollback)
+
+    def _forward_target(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Decode-step target forward: static shapes / CUDA graphs when eligible, else eager."""
+        if self.static_forward is not None and self.static_forward.eligible(ids, batch):
+            return self.static_forward.run(ids, batch)
+        return self.model.forward_target(ids, batch, self.pool.kv_cache)
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         params = seq.sampling

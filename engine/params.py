@@ -101,6 +101,9 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     prefill_chunk_tokens: int = 512
+    # Static-shape target forward: None = CUDA graphs on CUDA, off on CPU; True forces the
+    # padded static path everywhere (graphs only on CUDA); False turns it off.
+    cuda_graphs: bool | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

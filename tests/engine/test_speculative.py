@@ -135,3 +135,25 @@ def test_adaptive_follows_the_latency_model(small_vocab_dir: Path) -> None:
     controller._calls = 0  # one step in `explore_every` still drafts a little, by design
     choices = [controller.choose(eng, 64) for _ in range(controller.explore_every - 1)]
     assert not any(c.speculates for c in choices)
+
+
+@pytest.mark.parametrize("method", ["none", "tree"])
+def test_static_padded_forward_gives_the_same_tokens(small_vocab_dir: Path, method: str) -> None:
+    """The CUDA-graph input path (padding to batch buckets, scratch block) run eagerly on CPU."""
+    from engine import EngineConfig
+
+    spec = SpecConfig(method=method)  # type: ignore[arg-type]
+    base = _run(small_vocab_dir, spec)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec,
+                                    engine_config=EngineConfig(cuda_graphs=True))
+    static = eng.static_forward
+    assert static is not None
+    calls = []
+    original = static.run
+    static.run = lambda ids, batch: calls.append(1) or original(ids, batch)  # type: ignore[method-assign]
+    outs = eng.generate(PROMPTS[:3], GREEDY)  # 3 sequences -> padded to the bucket of 4
+    assert len(calls) > 5, "the static path should carry the decode steps"
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base[:3]]
+    assert eng.kv_blocks_used == len(eng.static_forward.scratch)
+    flat = eng.pool.kv_cache[:, eng.static_forward.scratch]
+    assert torch.count_nonzero(flat) == 0, "padding rows must leave nothing behind"

@@ -1,0 +1,166 @@
+"""CUDA graphs of the target forward: static buffers, one graph per (batch bucket, tokens).
+
+On a GPU a small model's forward is dominated by kernel-launch overhead, so the target forward —
+the autoregressive step (1 token per sequence) and the tree verification step (``N + 1`` tokens
+per sequence) — is captured once per batch bucket and replayed. Both modes use the same graphs,
+so speculative and autoregressive figures stay comparable.
+
+Shapes are fixed per graph: ``bucket`` sequences of exactly ``tokens`` new tokens each, block
+tables ``max_blocks`` wide. A step with fewer sequences is padded with dummy sequences that
+write to a reserved scratch block (zeroed after each replay) and whose outputs are dropped.
+Steps whose sequences have different token counts, or MTP-style per-query limits, run eagerly.
+
+Every input is copied into the static buffers before a replay; nothing in the captured region
+reads host values (the Triton attention kernel has no host syncs and a shape-only grid).
+``StaticTargetForward(use_graphs=False)`` runs the same padded static path eagerly, which is how
+the padding logic is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.block_pool import BlockOwner, BlockPool
+from engine.model.attention_batch import AttentionBatch
+from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _Static:
+    """The static input/output buffers of one (bucket, tokens) graph."""
+
+    def __init__(
+        self, bucket: int, tokens: int, max_blocks: int, scratch: list[int], block_size: int,
+        hidden_size: int, dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        n = bucket * tokens
+        self.bucket, self.tokens = bucket, tokens
+        pad_table = torch.full((max_blocks,), -1, dtype=torch.int32)
+        pad_table[: len(scratch)] = torch.tensor(scratch, dtype=torch.int32)
+        pad_slots = torch.tensor(
+            [scratch[j // block_size] * block_size + j % block_size for j in range(tokens)]
+        )
+        # Pristine padding values, copied over the unused sequences before every replay.
+        self.pad_table = pad_table.to(device)
+        self.pad_slots = pad_slots.to(device)
+        self.pad_positions = torch.arange(tokens, device=device)
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]
+        self.positions = self.pad_positions.repeat(bucket)  # [n]
+        self.slots = self.pad_slots.repeat(bucket)  # [n]
+        self.tables = self.pad_table.repeat(bucket, 1)  # [bucket, max_blocks]
+        self.ctx = torch.zeros(bucket, dtype=torch.int32, device=device)  # [bucket]
+        self.starts = (torch.arange(bucket + 1, device=device) * tokens).to(torch.int32)
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+        self.pad_mask = causal
+        self.mask = causal.repeat(bucket, 1)  # [n, tokens]
+        self.out = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # [n, H]
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def batch(self) -> AttentionBatch:
+        return AttentionBatch(self.positions, self.slots, self.tables, self.ctx, self.starts, self.mask)
+
+    def load(self, ids: torch.Tensor, batch: AttentionBatch, num_seqs: int) -> None:
+        n, t = ids.shape[0], self.tokens
+        width = batch.block_tables.shape[1]
+        self.ids[:n].copy_(ids)
+        self.ids[n:].zero_()
+        self.positions[:n].copy_(batch.positions)
+        self.positions[n:].copy_(self.pad_positions.repeat(self.bucket - num_seqs))
+        self.slots[:n].copy_(batch.slot_mapping)
+        self.slots[n:].copy_(self.pad_slots.repeat(self.bucket - num_seqs))
+        self.tables[:num_seqs, :width].copy_(batch.block_tables)
+        self.tables[:num_seqs, width:].fill_(-1)
+        self.tables[num_seqs:].copy_(self.pad_table.expand(self.bucket - num_seqs, -1))
+        self.ctx[:num_seqs].copy_(batch.ctx_lens)
+        self.ctx[num_seqs:].zero_()
+        self.mask[:n].copy_(batch.new_mask[:, :t])
+        self.mask[n:].copy_(self.pad_mask.repeat(self.bucket - num_seqs, 1))
+
+
+class StaticTargetForward:
+    """Runs ``model.forward_target`` through static, padded shapes (CUDA graphs on GPU)."""
+
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        pool: BlockPool,
+        token_counts: tuple[int, ...],
+        max_blocks: int,
+        max_batch: int,
+        use_graphs: bool,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.max_blocks = max_blocks
+        self.buckets = tuple(b for b in buckets if b <= max_batch) or (1,)
+        self.token_counts = tuple(sorted(set(token_counts)))
+        self.use_graphs = use_graphs and pool.kv_cache.is_cuda
+        max_tokens = max(self.token_counts)
+        self.scratch = pool.allocate(-(-max_tokens // pool.block_size), BlockOwner("graph-padding"))
+        dtype = next(model.parameters()).dtype
+        self._static = {
+            (b, t): _Static(b, t, max_blocks, self.scratch, pool.block_size,
+                            model.config.hidden_size, dtype, pool.kv_cache.device)
+            for b in self.buckets
+            for t in self.token_counts
+        }  # fmt: skip
+        self._mempool: object | None = None
+        if self.use_graphs:
+            self._capture_all()
+
+    def _bucket(self, num_seqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        self._mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # Largest graphs first so smaller ones reuse their memory pool.
+        for key in sorted(self._static, reverse=True):
+            st = self._static[key]
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up (Triton autotune/compile) outside the capture
+                    st.out.copy_(self.model.forward_target(st.ids, st.batch(), self.pool.kv_cache))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                st.out.copy_(self.model.forward_target(st.ids, st.batch(), self.pool.kv_cache))
+            st.graph = graph
+        self._zero_scratch()
+
+    def _zero_scratch(self) -> None:
+        index = torch.tensor(self.scratch, device=self.pool.kv_cache.device)
+        self.pool.kv_cache.index_fill_(1, index, 0)
+
+    def eligible(self, ids: torch.Tensor, batch: AttentionBatch) -> bool:
+        num_seqs = batch.ctx_lens.shape[0]
+        if batch.query_ctx_lens is not None or batch.block_tables.shape[1] > self.max_blocks:
+            return False
+        if num_seqs == 0 or ids.shape[0] % num_seqs:
+            return False
+        tokens = ids.shape[0] // num_seqs
+        if tokens not in self.token_counts or self._bucket(num_seqs) is None:
+            return False
+        return batch.new_mask.shape[1] == tokens and bool(
+            (batch.query_start[1:] - batch.query_start[:-1] == tokens).all()
+        )
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Hidden states [N, H] for an eligible batch (see ``eligible``)."""
+        num_seqs = batch.ctx_lens.shape[0]
+        tokens = ids.shape[0] // num_seqs
+        bucket = self._bucket(num_seqs)
+        assert bucket is not None
+        st = self._static[(bucket, tokens)]
+        st.load(ids, batch, num_seqs)
+        if st.graph is not None:
+            st.graph.replay()
+        else:
+            st.out.copy_(self.model.forward_target(st.ids, st.batch(), self.pool.kv_cache))
+        if bucket > num_seqs:
+            self._zero_scratch()  # padding rows wrote there: no stale entries left behind
+        return st.out[: ids.shape[0]].clone()
