@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--tree-budgets", type=_ints, default=None,
                      help="draft tokens per tree mode (default CPU 4,8; GPU 8,32,64)")
     off.add_argument("--repeats", type=int, default=3)
-    off.add_argument("--warmup-tokens", type=int, default=8)
+    off.add_argument("--warmup-tokens", type=int, default=None,
+                     help="tokens of the warm-up round (default CPU 8; GPU: --max-new-tokens)")
     off.add_argument("--check-batch", type=int, default=None, help="default: the largest batch")
     off.add_argument("--check-tokens", type=int, default=None, help="default: --max-new-tokens")
     off.add_argument("--kv-memory-mb", type=int, default=None)
@@ -110,7 +111,8 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens, num_prompts=args.num_prompts, modes=args.modes,
         tree_budgets=args.tree_budgets if args.tree_budgets is not None else ([8, 32, 64] if gpu else [4, 8]),
-        repeats=args.repeats, warmup_tokens=args.warmup_tokens, check_batch=args.check_batch,
+        repeats=args.repeats,
+        warmup_tokens=args.warmup_tokens if args.warmup_tokens is not None else (0 if gpu else 8), check_batch=args.check_batch,
         check_tokens=args.check_tokens, kv_memory_mb=args.kv_memory_mb,
         time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour,
     )

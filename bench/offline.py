@@ -45,7 +45,7 @@ class OfflineSettings:
                                                       "transformers-mtp"])
     tree_budgets: list[int] = field(default_factory=list)  # empty: the device default tree
     repeats: int = 3
-    warmup_tokens: int = 8
+    warmup_tokens: int = 8  # 0: max_new_tokens
     check_batch: int | None = None  # None: the largest batch size
     check_tokens: int | None = None  # None: max_new_tokens
     kv_memory_mb: int | None = None
@@ -100,6 +100,65 @@ def _floor_fields(c: Contender, rec: dict[str, Any], base_model: Any, rates: dic
     rec["step_over_floor"] = step_ms / floor["floor_ms"]
 
 
+def _time_point(
+    s: OfflineSettings, contenders: list[Contender], skipped: dict[str, str],
+    prompts: list[list[int]], temperature: float, deadline: float | None, bar: tqdm,
+) -> list[dict[str, Any]]:
+    """Records of one (temperature, batch size) point: a warm-up round, then timed rounds in
+    which the modes alternate. Past ``deadline`` no further run starts; only complete rounds
+    count, and a mode left without one is recorded as skipped."""
+    bs = len(prompts)
+    late = f"time limit of {s.time_limit_s or 0:.0f} s reached"
+    records: list[dict[str, Any]] = []
+    runs: dict[str, list[BatchRun]] = {}
+    active = []
+    for c in contenders:
+        reason = c.skip_reason(bs) or skipped.get(c.mode.label)
+        if reason:
+            records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature, reason))
+        else:
+            active.append(c)
+            runs[c.mode.label] = []
+    rounds = 0
+    for rep in range(-1, s.repeats):  # round -1: warm-up
+        bar.set_postfix_str(f"T={temperature} bs={bs}" + (" warm-up" if rep < 0 else ""))
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        for c in list(active):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            tokens = (s.warmup_tokens or s.max_new_tokens) if rep < 0 else s.max_new_tokens
+            try:
+                run = c.run(prompts, tokens, temperature, seed=s.seed + max(rep, 0))
+            except Exception as exc:  # a mode that breaks mid-sweep is reported, not fatal
+                skipped[c.mode.label] = f"{type(exc).__name__}: {exc}"[:300]
+                _log(f"mode {c.mode.label} failed at T={temperature} bs={bs}: {skipped[c.mode.label]}")
+                active.remove(c)
+                records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature,
+                                            skipped[c.mode.label]))
+                continue
+            if rep >= 0:
+                runs[c.mode.label].append(run)
+        else:
+            rounds += rep >= 0
+            bar.update(rep >= 0)
+            continue
+        break  # the deadline passed inside the round
+    ar_runs = runs.get("ar", [])[:rounds]
+    for c in active:
+        done = runs[c.mode.label][:rounds]
+        if not done:
+            records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature, late))
+            continue
+        rec = make_record(c.mode.mode, c.mode.label, bs, temperature, done)
+        if ar_runs:
+            add_speedups(rec, done, ar_runs)
+            if temperature == 0.0:
+                rec["greedy_match"] = done[0].tokens == ar_runs[0].tokens
+        records.append(rec)
+    return records
+
+
 def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, Any], bool]:
     """Run the sweep; returns the results document and whether every check passed."""
     t_start = time.monotonic()
@@ -134,55 +193,21 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     rates = measure_rates(s.device) if s.device.startswith("cuda") else None
     dtype_bytes = parse_dtype(s.dtype).itemsize
     records: list[dict[str, Any]] = []
-    points = [(t, b) for t in s.temperatures for b in s.batch_sizes]
+    # batch size outer: a time limit then cuts the largest batches, each with all temperatures
+    points = [(t, b) for b in s.batch_sizes for t in s.temperatures]
     bar = tqdm(total=len(points) * s.repeats, disable=not progress, desc="offline", unit="round")
+    deadline = None if s.time_limit_s is None else t_start + s.time_limit_s
     for temperature, bs in points:
-        prompts_b = batch_of(prompts, bs)
-        if s.time_limit_s is not None and time.monotonic() - t_start > s.time_limit_s:
-            for c in contenders:
-                records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature,
-                                            f"time limit of {s.time_limit_s:.0f} s reached"))
-            bar.update(s.repeats)
-            continue
-        runs: dict[str, list[BatchRun]] = {}
-        active = []
-        for c in contenders:
-            reason = c.skip_reason(bs) or skipped.get(c.mode.label)
-            if reason:
-                records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature, reason))
-                continue
-            active.append(c)
-            runs[c.mode.label] = []
-        for rep in range(-1, s.repeats):  # round -1: warm-up
-            bar.set_postfix_str(f"T={temperature} bs={bs}" + (" warm-up" if rep < 0 else ""))
-            for c in list(active):
-                tokens = s.warmup_tokens if rep < 0 else s.max_new_tokens
-                try:
-                    run = c.run(prompts_b, tokens, temperature, seed=s.seed + max(rep, 0))
-                except Exception as exc:  # a mode that breaks mid-sweep is reported, not fatal
-                    skipped[c.mode.label] = f"{type(exc).__name__}: {exc}"[:300]
-                    _log(f"mode {c.mode.label} failed at T={temperature} bs={bs}: {skipped[c.mode.label]}")
-                    active.remove(c)
-                    records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature,
-                                                skipped[c.mode.label]))
-                    continue
-                if rep >= 0:
-                    runs[c.mode.label].append(run)
-            if rep >= 0:
-                bar.update(1)
-        ar_runs = runs.get("ar", [])
-        for c in active:
-            rec = make_record(c.mode.mode, c.mode.label, bs, temperature, runs[c.mode.label])
-            if ar_runs:
-                add_speedups(rec, runs[c.mode.label], ar_runs)
-                if temperature == 0.0:
-                    rec["greedy_match"] = runs[c.mode.label][0].tokens == ar_runs[0].tokens
-                    if strict and c.engine is not None and not rec["greedy_match"]:
-                        ok = False
-            if rates is not None:
+        recs = _time_point(s, contenders, skipped, batch_of(prompts, bs), temperature, deadline, bar)
+        for rec in recs:
+            c = next((c for c in contenders if c.mode.label == rec["label"]), None)
+            if rec["greedy_match"] is False and strict and c is not None and c.engine is not None:
+                ok = False
+            if rates is not None and c is not None and not rec["skipped"]:
                 _floor_fields(c, rec, base.model, rates, s, dtype_bytes)
-            records.append(rec)
-            _log(_one_line(rec))
+            if not rec["skipped"]:
+                _log(_one_line(rec))
+        records += recs
     bar.close()
     if s.price_per_hour is not None:
         add_costs(records, s.price_per_hour)

@@ -35,9 +35,10 @@ from engine.sampling import (
 )
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import AdaptiveController
-from engine.spec.defaults import resolve_budget
+from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget
 from engine.spec.tree import DraftTree
 from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
@@ -106,6 +107,7 @@ class LLMEngine:
                 model, self.pool, (1, self.budget.num_draft_tokens + 1), max_blocks,
                 engine_config.max_batch_size, use_graphs=device.type == "cuda",
             )  # fmt: skip
+        self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget)
@@ -357,7 +359,7 @@ class LLMEngine:
     ) -> None:
         assert self.drafter is not None
         t0 = time.perf_counter()
-        trees = self.drafter.draft(seqs, budget)
+        trees = self.drafter.draft(seqs, budget, self._sampled_shape(budget, seqs))
         t1 = time.perf_counter()
         rows = [
             SeqRows(
@@ -409,6 +411,17 @@ class LLMEngine:
         if self.static_forward is not None and self.static_forward.eligible(ids, batch):
             return self.static_forward.run(ids, batch)
         return self.model.forward_target(ids, batch, self.pool.kv_cache)
+
+    def _sampled_shape(self, budget: TreeBudget, seqs: list[Sequence]) -> TreeShape | None:
+        """Planned shape for sampled trees, re-planned as live statistics accumulate."""
+        if all(seq.sampling.greedy for seq in seqs):
+            return None
+        steps = self.acceptance.num_steps
+        key = (budget, min(steps // 256, 1 << 30) if steps >= LIVE_STATS_MIN_STEPS else -1)
+        if self._shape_cache is None or self._shape_cache[0] != key:
+            snapshot = self.acceptance.snapshot() if key[1] >= 0 else None
+            self._shape_cache = (key, sampled_tree_shape(budget, snapshot))
+        return self._shape_cache[1]
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         params = seq.sampling

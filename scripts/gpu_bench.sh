@@ -11,7 +11,8 @@
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
 # 200), DEADLINE_S (default 530: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
-# BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep).
+# BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep),
+# MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 RESULTS_DIR [MODEL_DIR]}
@@ -33,8 +34,9 @@ if [ ! -f "$MODEL/config.json" ]; then
         --time-budget-s "${TRAIN_BUDGET_S:-200}"
 fi
 ELAPSED=$(( $(date +%s) - START ))
-# Leave room for model load, the float32 check, device-rate measurement and the last point.
-LIMIT=$(( DEADLINE_S - ELAPSED - 150 ))
+# The limit counts from the start of the sweep (model load and float32 check included); leave
+# room for the last run (no run starts after the limit) and for writing the results.
+LIMIT=$(( DEADLINE_S - ELAPSED - 90 ))
 if [ "$LIMIT" -lt 30 ]; then LIMIT=30; fi
 echo "== benchmark (elapsed ${ELAPSED} s; sweep points start within ${LIMIT} s)"
 "$PY" -m engine bench offline --model "$MODEL" --device cuda --dtype bfloat16 \
@@ -42,7 +44,7 @@ echo "== benchmark (elapsed ${ELAPSED} s; sweep points start within ${LIMIT} s)"
     --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures 0,0.7 \
     --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
-    --tree-budgets "${TREE_BUDGETS:-8,32}" --repeats "${REPEATS:-3}" \
+    --tree-budgets "${TREE_BUDGETS:-8,32}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
 echo "== done in $(( $(date +%s) - START )) s"

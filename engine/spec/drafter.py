@@ -36,7 +36,19 @@ from engine.kv.block_pool import BlockPool
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.sampling import probs_from_logits, sample_without_replacement
 from engine.sequence import Sequence
+from engine.simulator.tree_shape import TreeShape
 from engine.spec.tree import DraftTree, select_best_nodes
+
+
+def _children_of(shape: TreeShape) -> list[list[int]]:
+    """For each shape node, its children ordered by sibling rank."""
+    kids: list[list[int]] = [[] for _ in shape.parents]
+    for node, parent in enumerate(shape.parents):
+        if parent >= 0:
+            kids[parent].append(node)
+    for k in kids:
+        k.sort(key=lambda c: shape.ranks[c])
+    return kids
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class _Node:
     depth: int
     score: float  # cumulative draft log-probability
     hidden: torch.Tensor | None = None  # output of the row fed with this node's token
+    shape_index: int = 0  # sampled trees: the node of the planned shape this node fills
 
 
 @dataclass
@@ -70,6 +83,7 @@ class _SeqDraft:
 
 
 class MTPDrafter:
+    _shape_children: list[list[int]] | None = None
     def __init__(
         self, model: DeepseekV3ForCausalLM, pool: BlockPool, reuse_last_module: bool
     ) -> None:
@@ -100,7 +114,16 @@ class MTPDrafter:
                 )
 
     # ---- catch-up + drafting ----
-    def draft(self, seqs: list[Sequence], budget: TreeBudget) -> list[DraftTree]:
+    def draft(
+        self, seqs: list[Sequence], budget: TreeBudget, sampled_shape: TreeShape | None = None
+    ) -> list[DraftTree]:
+        """Catch up the MTP caches and draft one tree per sequence.
+
+        ``sampled_shape`` fixes how many children each node of a *sampled* tree gets, by its
+        position in the shape (sibling ranks = draw order), never by the drawn values; None
+        falls back to expanding the ``topk`` best frontier nodes with ``topk`` children each.
+        """
+        self._shape_children = _children_of(sampled_shape) if sampled_shape is not None else None
         max_depth = budget.depth
         if not self.reuse_last_module:
             max_depth = min(max_depth, self.num_modules)
@@ -144,6 +167,8 @@ class MTPDrafter:
                 depth=m,
             )
             self._expand(drafts, frontier_hidden, m, budget)
+            if not any(d.frontier for d in drafts):
+                break
         return [self._finish_tree(d, budget) for d in drafts]
 
     # ---- row construction ----
@@ -287,17 +312,33 @@ class MTPDrafter:
                         torch.tensor([params.top_k]),
                         torch.tensor([params.top_p]),
                     )[0]
+                    shape_kids = self._planned_children(d.nodes[parent].shape_index, topk)
+                    if not shape_kids:
+                        continue
                     d.child_q[parent] = q
-                    drawn = sample_without_replacement(q, topk, d.seq.generator)
+                    drawn = sample_without_replacement(q, len(shape_kids), d.seq.generator)
                     picks = [(t, float(torch.log(q[t]))) for t in drawn]
-                for token, logp in picks:
-                    d.nodes.append(_Node(token, parent, m, d.nodes[parent].score + logp))
+                for i, (token, logp) in enumerate(picks):
+                    node = _Node(token, parent, m, d.nodes[parent].score + logp)
+                    if not params.greedy:
+                        node.shape_index = shape_kids[i]
+                    d.nodes.append(node)
                     new_nodes.append(len(d.nodes) - 1)
-            # Next frontier: the best `topk` new nodes (depends only on the nodes' own values).
-            new_nodes.sort(key=lambda i: -d.nodes[i].score)
-            d.frontier = sorted(new_nodes[: budget.topk])
+            if params.greedy or self._shape_children is None:
+                # The best `topk` new nodes (depends only on the nodes' own values).
+                new_nodes.sort(key=lambda i: -d.nodes[i].score)
+                d.frontier = sorted(new_nodes[: budget.topk])
+            else:
+                # Planned shape: expand exactly the nodes the shape gives children.
+                d.frontier = [i for i in new_nodes if self._shape_children[d.nodes[i].shape_index]]
             if not params.greedy and len(d.nodes) - 1 >= budget.num_draft_tokens:
                 d.frontier = []  # creation order already fills the budget
+
+    def _planned_children(self, shape_index: int, topk: int) -> list[int]:
+        """Shape nodes filled by the children of a sampled node (in draw order)."""
+        if self._shape_children is None:
+            return list(range(topk))  # unplanned: topk children, shape indices unused
+        return self._shape_children[shape_index]
 
     def _finish_tree(self, d: _SeqDraft, budget: TreeBudget) -> DraftTree:
         cands = d.nodes[1:]

@@ -72,3 +72,15 @@ def test_report_from_json(offline_result: tuple[int, dict, Path]) -> None:
     assert "| T | batch | mode |" in md and "tree-3" in md
     assert (path.parent / f"{path.stem}-speedup.png").stat().st_size > 1000
     assert (path.parent / f"{path.stem}-acceptance.png").stat().st_size > 1000
+
+
+def test_time_limit_skips_and_says_so(dense_model_dir: Path) -> None:
+    from bench.offline import OfflineSettings, run_offline
+
+    doc, ok = run_offline(OfflineSettings(model=str(dense_model_dir), batch_sizes=[1, 2],
+                                          temperatures=[0.0], max_new_tokens=4, prompt_tokens=8,
+                                          modes=["chain"], repeats=1, time_limit_s=0.0),
+                          progress=False)
+    assert ok and doc["check"]["chain"]["match"]  # the check runs before any time limit
+    assert len(doc["runs"]) == 4
+    assert all(r["skipped"].startswith("time limit") and r["tokens_per_s"] is None for r in doc["runs"])
