@@ -66,7 +66,8 @@ def serve_table(serve: dict[str, Any]) -> list[str]:
     st = serve["settings"]
     lines = [f"Load: {st.get('load')}, {st.get('duration_s')} s per setting, max_tokens "
              f"{st.get('max_tokens')}, temperature {st.get('temperature')}, SLO TTFT ≤ "
-             f"{st.get('slo_ttft_ms')} ms and TPOT ≤ {st.get('slo_tpot_ms')} ms.", "",
+             f"{st.get('slo_ttft_ms')} ms and TPOT ≤ {st.get('slo_tpot_ms')} ms; prompts "
+             f"{st.get('prompts')}; load average {serve.get('loadavg_start')} → {serve.get('loadavg_end')}.", "",
              "| speculation | requests | errors | req/s | output tok/s | goodput req/s | "
              "TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | accepted len |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -92,6 +92,7 @@ def _load_once(s: ServeSettings, url: str, key: str, prompts: list[list[int]]) -
 def run_serve(s: ServeSettings, log_dir: Path | None = None, echo: Any = print) -> dict[str, Any]:
     """The ``serve`` section of a results file."""
     prompts, source = _prompts(s)
+    load_start = list(os.getloadavg())
     runs = []
     if s.url:
         key = s.api_key or os.environ.get("MTPSERVE_API_KEY", "")
@@ -111,4 +112,5 @@ def run_serve(s: ServeSettings, log_dir: Path | None = None, echo: Any = print) 
     settings.pop("api_key", None)
     settings["load"] = f"rate {s.rate}/s (Poisson)" if s.rate else f"concurrency {s.concurrency}"
     settings["prompts"] = source
-    return {"settings": settings, "runs": runs}
+    return {"settings": settings, "runs": runs, "loadavg_start": load_start,
+            "loadavg_end": list(os.getloadavg())}

@@ -18,6 +18,8 @@ the padding logic is tested on CPU.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from engine.kv.block_pool import BlockOwner, BlockPool
@@ -107,8 +109,19 @@ class StaticTargetForward:
             for t in self.token_counts
         }  # fmt: skip
         self._mempool: object | None = None
+        self.capture_error: str | None = None
         if self.use_graphs:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly instead
+                self.capture_error = f"{type(exc).__name__}: {exc}"
+                self.use_graphs = False
+                for st in self._static.values():
+                    st.graph = None
+                torch.cuda.synchronize()
+                self._zero_scratch()
+                warnings.warn(f"CUDA graph capture failed, running eagerly: {self.capture_error}",
+                              stacklevel=2)
 
     def _bucket(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
