@@ -294,10 +294,17 @@ class LLMEngine:
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
         if decode:
             budget = self._choose_budget(decode)
+            start, before = time.perf_counter(), len(outputs)
             if budget.speculates:
                 self._speculative_step(decode, budget, outputs)
             else:
                 self._autoregressive_step(decode, outputs)
+            if self.adaptive is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                emitted = sum(len(o.new_token_ids) for o in outputs[before:])
+                self.adaptive.observe(len(decode), budget.speculates,
+                                      time.perf_counter() - start, emitted)
         return outputs
 
     def _choose_budget(self, seqs: list[Sequence]) -> TreeBudget:

@@ -12,7 +12,11 @@ draft forwards. This controller feeds it
 
 and asks for the tree (or no speculation) with the most tokens/s at the current batch size.
 When the plan says "do not speculate", one step in ``explore_every`` still drafts a small tree so
-the statistics stay current.
+the statistics stay current. The latency model cannot see host overhead (Python tree building,
+launches), so the controller also measures what each decode step really cost per emitted token,
+with and without speculation, per batch-size bucket; once both are measured they overrule the
+plan's yes/no (still exploring the other choice one step in ``explore_every``). That is what keeps
+adaptive speculation at least as fast as autoregressive decoding where drafting does not pay.
 """
 
 from __future__ import annotations
@@ -43,6 +47,25 @@ class AdaptiveController:
         self._planner: SpeculationPlanner | None = None
         self._planned_at_steps = -REPLAN_EVERY_STEPS
         self._calls = 0
+        # (log2 batch bucket, speculated) -> (EWMA seconds per emitted token, observations)
+        self._measured: dict[tuple[int, bool], tuple[float, int]] = {}
+
+    def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: int) -> None:
+        """Record one decode step's real cost per emitted token (Python overhead included)."""
+        if tokens <= 0:
+            return
+        key = (batch_size.bit_length(), speculated)
+        per_token = seconds / tokens
+        old, count = self._measured.get(key, (per_token, 0))
+        self._measured[key] = (old + (per_token - old) * max(0.2, 1 / (count + 1)), count + 1)
+
+    def _measured_says_ar(self, batch_size: int) -> bool | None:
+        """True/False when measured steps at this batch size favour AR/speculation, else None."""
+        bucket = batch_size.bit_length()
+        spec, ar = self._measured.get((bucket, True)), self._measured.get((bucket, False))
+        if spec is None or ar is None or spec[1] < 3 or ar[1] < 3:
+            return None
+        return spec[0] > ar[0]
 
     def _stats(self, engine: LLMEngine) -> AcceptanceStats:
         snapshot = engine.acceptance.snapshot()
@@ -66,11 +89,21 @@ class AdaptiveController:
             )
             self._planned_at_steps = steps
         plan = self._planner.plan(batch_size)
+        explore = self._calls % self.explore_every == 0
+        no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
+        planned = TreeBudget(
+            topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget
+        )
         if plan.budget == 0:
-            if self._calls % self.explore_every:
-                return TreeBudget(topk=1, depth=0, num_draft_tokens=0)
-            return TreeBudget(topk=1, depth=2, num_draft_tokens=2)
-        return TreeBudget(topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget)
+            return TreeBudget(topk=1, depth=2, num_draft_tokens=2) if explore else no_spec
+        # The model omits host overhead; real step costs overrule it once both were measured.
+        measured_ar = self._measured_says_ar(batch_size)
+        if measured_ar is None:
+            ar_seen = self._measured.get((batch_size.bit_length(), False), (0.0, 0))[1]
+            return no_spec if explore or ar_seen == 0 and self._calls % 4 == 0 else planned
+        if measured_ar:
+            return planned if explore else no_spec
+        return no_spec if explore else planned
 
 
 def _grid(device: torch.device, max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -107,16 +140,32 @@ def calibrate_latency(engine: LLMEngine, max_budget: TreeBudget, context: int = 
             for i in range(b):
                 seq_blocks = blocks[i * blocks_per_seq : (i + 1) * blocks_per_seq]
                 ids = torch.randint(0, vocab, (t,), generator=gen).tolist()
-                rows.append(SeqRows(seq_blocks, context, ids, list(range(context, context + t)), causal_mask(t)))
+                rows.append(
+                    SeqRows(
+                        seq_blocks, context, ids, list(range(context, context + t)), causal_mask(t)
+                    )
+                )
             ids_t, batch = build_batch(rows, pool.block_size, device)
-            hidden = torch.zeros(ids_t.shape[0], engine.model_config.hidden_size, device=device,
-                                 dtype=next(engine.model.parameters()).dtype)
-            verify_s = _time(lambda i=ids_t, bt=batch: model.logits(  # type: ignore[misc]
-                model.forward_target(i, bt, pool.kv_cache)), device)
+            hidden = torch.zeros(
+                ids_t.shape[0],
+                engine.model_config.hidden_size,
+                device=device,
+                dtype=next(engine.model.parameters()).dtype,
+            )
+            verify_s = _time(
+                lambda i=ids_t, bt=batch: model.logits(  # type: ignore[misc]
+                    model.forward_target(i, bt, pool.kv_cache)
+                ),
+                device,
+            )
             verify.append({"batch_size": b, "tokens": t, "seconds": verify_s})
             if engine.model_config.num_mtp_modules:
-                draft_s = _time(lambda i=ids_t, bt=batch, h=hidden: model.logits(  # type: ignore[misc]
-                    model.forward_mtp(1, h, i, bt, pool.kv_cache)), device)
+                draft_s = _time(
+                    lambda i=ids_t, bt=batch, h=hidden: model.logits(  # type: ignore[misc]
+                        model.forward_mtp(1, h, i, bt, pool.kv_cache)
+                    ),
+                    device,
+                )
                 draft.append({"batch_size": b, "tokens": t, "seconds": draft_s})
     finally:
         pool.free(blocks)  # zeroes what the calibration wrote

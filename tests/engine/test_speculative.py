@@ -157,3 +157,24 @@ def test_static_padded_forward_gives_the_same_tokens(small_vocab_dir: Path, meth
     assert eng.kv_blocks_used == len(eng.static_forward.scratch)
     flat = eng.pool.kv_cache[:, eng.static_forward.scratch]
     assert torch.count_nonzero(flat) == 0, "padding rows must leave nothing behind"
+
+
+def test_adaptive_measured_costs_overrule_the_plan(small_vocab_dir: Path) -> None:
+    """If real speculative steps cost more per token than AR steps, adaptive stops drafting."""
+    from engine.simulator import LatencyModel
+
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    controller = eng.adaptive
+    assert controller is not None
+    controller.latency = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
+    controller._planner = None
+    for _ in range(5):
+        controller.observe(4, True, seconds=0.10, tokens=8)  # 12.5 ms per token
+        controller.observe(4, False, seconds=0.02, tokens=4)  # 5 ms per token
+    controller._calls = 0
+    choices = [controller.choose(eng, 4) for _ in range(controller.explore_every - 1)]
+    assert not any(c.speculates for c in choices)
+    for _ in range(20):
+        controller.observe(4, True, seconds=0.01, tokens=8)
+    controller._calls = 0
+    assert all(controller.choose(eng, 4).speculates for _ in range(controller.explore_every - 1))
