@@ -76,6 +76,13 @@ class LLMEngine:
         self.device = device
         self.max_model_len = engine_config.max_model_len or cfg.max_position_embeddings
         if spec.method != "none" and cfg.num_mtp_modules == 0:
+            if cfg.declared_mtp_modules:
+                raise ValueError(
+                    f"SpecConfig(method={spec.method!r}) needs MTP modules: config.json declares "
+                    f"num_nextn_predict_layers = {cfg.declared_mtp_modules}, but the checkpoint "
+                    f"has no tensors for layer {cfg.num_hidden_layers} (model.layers."
+                    f"{cfg.num_hidden_layers}.*); add the MTP weights or use method='none'"
+                )
             raise ValueError(
                 f"SpecConfig(method={spec.method!r}) needs MTP modules, but the model has "
                 "num_nextn_predict_layers = 0; use method='none'"
@@ -127,7 +134,16 @@ class LLMEngine:
         engine_config: EngineConfig | None = None,
     ) -> LLMEngine:
         folder = Path(path)
-        torch_device = torch.device(device)
+        try:
+            torch_device = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+        if torch_device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if torch_device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise ValueError("spec must be a SpecConfig")
         model = load_model(folder, dtype=parse_dtype(dtype), device=torch_device)
         tokenizer = _load_tokenizer(folder)
         eos = _eos_ids(folder, model.config)

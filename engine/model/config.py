@@ -74,6 +74,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     hidden_act: str = "silu"
+    # MTP modules config.json declares when the checkpoint holds fewer (None: all present)
+    declared_mtp_modules: int | None = None
 
     # ---- derived ----
     @property
@@ -170,7 +172,7 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` content (transformers 5 spelling: ``rope_parameters``)."""
-        out = {k: v for k, v in asdict(self).items() if k != "rope"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("rope", "declared_mtp_modules")}
         rope: dict[str, Any] = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
         if self.rope.rope_type == "yarn":
             rope.update(

@@ -12,6 +12,7 @@ layers beyond ``num_nextn_predict_layers``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -71,6 +72,27 @@ def _skip(name: str, cfg: ModelConfig) -> bool:
     return False
 
 
+def _present_mtp_modules(cfg: ModelConfig, files: dict[str, Path]) -> ModelConfig:
+    """Use only the MTP modules the checkpoint has.
+
+    A folder whose config declares MTP modules but holds no tensor at all for them (what
+    transformers' ``save_pretrained`` writes) still serves autoregressively; the engine then
+    refuses speculative methods with a clear message. A module with *some* tensors missing is a
+    broken checkpoint and fails with the missing names.
+    """
+    present = 0
+    for i in range(cfg.num_nextn_predict_layers):
+        prefix = f"model.layers.{cfg.num_hidden_layers + i}."
+        if not any(name.startswith(prefix) for name in files):
+            break
+        present += 1
+    if present == cfg.num_nextn_predict_layers:
+        return cfg
+    return dataclasses.replace(
+        cfg, num_nextn_predict_layers=present, declared_mtp_modules=cfg.num_nextn_predict_layers
+    )
+
+
 def _fused_expert_tensors(name: str) -> bool:
     return name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj")
 
@@ -86,6 +108,8 @@ def load_model(
         raise FileNotFoundError(f"model folder {folder} does not exist")
     cfg = cfg or ModelConfig.from_folder(folder)
     torch_dtype = parse_dtype(dtype)
+    files = checkpoint_files(folder)
+    cfg = _present_mtp_modules(cfg, files)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
     model.to_empty(device=device)
@@ -99,7 +123,6 @@ def load_model(
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    files = checkpoint_files(folder)
     loaded: set[str] = set()
     handles: dict[Path, object] = {}
     try:

@@ -69,13 +69,29 @@ def test_missing_shard_is_named(dense_model_dir: Path, tmp_path: Path) -> None:
         load_model(folder)
 
 
-def test_missing_mtp_layer_is_named(dense_model_dir: Path, tmp_path: Path) -> None:
+def test_partial_mtp_layer_is_named(dense_model_dir: Path, tmp_path: Path) -> None:
+    folder = _copy(dense_model_dir, tmp_path / "partialmtp")
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.3.eh_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.eh_proj\.weight"):
+        load_model(folder)
+
+
+def test_checkpoint_without_mtp_weights_serves_autoregressively(
+    dense_model_dir: Path, tmp_path: Path
+) -> None:
+    """What transformers' save_pretrained writes: num_nextn_predict_layers set, no MTP tensors."""
     folder = _copy(dense_model_dir, tmp_path / "nomtp")
     tensors = load_file(str(folder / "model.safetensors"))
-    tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.3.")}
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(("model.layers.2.", "model.layers.3."))}
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.3\."):
-        load_model(folder)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLMEngine.from_pretrained(dense_model_dir, spec=SpecConfig(method="none")).generate([[3, 4]], sp)
+    got = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="none")).generate([[3, 4]], sp)
+    assert got[0].token_ids == want[0].token_ids
+    with pytest.raises(ValueError, match=r"declares num_nextn_predict_layers = 2.*model\.layers\.2"):
+        LLMEngine.from_pretrained(folder, spec=SpecConfig(method="tree"))
 
 
 @pytest.mark.parametrize(
@@ -117,4 +133,8 @@ def test_engine_rejects_bad_requests(dense_model_dir: Path) -> None:
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="method"):
         SpecConfig(method="medusa")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device"):
+        LLMEngine.from_pretrained(dense_model_dir, device="tpu")
+    with pytest.raises(ValueError, match="dtype"):
+        LLMEngine.from_pretrained(dense_model_dir, dtype="float8")
     assert not eng.has_unfinished_requests()
