@@ -22,9 +22,9 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target forward: 1 + accepted / steps."""
+        """Tokens emitted per target forward: 1 + accepted / steps (1.0 before any step)."""
         if self.num_steps == 0:
-            return 0.0
+            return 1.0
         return 1.0 + self.num_accepted_tokens / self.num_steps
 
     def record_step(self, drafted: int, accepted: int) -> None:
