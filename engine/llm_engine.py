@@ -319,15 +319,16 @@ class LLMEngine:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 emitted = sum(len(o.new_token_ids) for o in outputs[before:])
-                self.adaptive.observe(len(decode), budget.speculates,
-                                      time.perf_counter() - start, emitted)
+                self.adaptive.observe(len(decode), budget.speculates, time.perf_counter() - start,
+                                      emitted, sampled=not all(s.sampling.greedy for s in decode))
         return outputs
 
     def _choose_budget(self, seqs: list[Sequence]) -> TreeBudget:
         if self.spec.method != "adaptive":
             return self.budget
         assert self.adaptive is not None
-        return self.adaptive.choose(self, len(seqs))
+        sampled = not all(seq.sampling.greedy for seq in seqs)
+        return self.adaptive.choose(self, len(seqs), sampled)
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, work: list[tuple[Sequence, int]], outputs: list[RequestOutput]) -> None:

@@ -47,25 +47,31 @@ class AdaptiveController:
         self._planner: SpeculationPlanner | None = None
         self._planned_at_steps = -REPLAN_EVERY_STEPS
         self._calls = 0
-        # (log2 batch bucket, speculated) -> (EWMA seconds per emitted token, observations)
-        self._measured: dict[tuple[int, bool], tuple[float, int]] = {}
+        # (log2 batch bucket, batch samples, speculated) -> (EWMA s per emitted token, count)
+        self._measured: dict[tuple[int, bool, bool], tuple[float, int]] = {}
 
-    def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """Record one decode step's real cost per emitted token (Python overhead included)."""
+    def observe(
+        self, batch_size: int, speculated: bool, seconds: float, tokens: int, sampled: bool = False
+    ) -> None:
+        """Record one decode step's real cost per emitted token (host overhead included)."""
         if tokens <= 0:
             return
-        key = (batch_size.bit_length(), speculated)
+        key = (batch_size.bit_length(), sampled, speculated)
         per_token = seconds / tokens
         old, count = self._measured.get(key, (per_token, 0))
         self._measured[key] = (old + (per_token - old) * max(0.2, 1 / (count + 1)), count + 1)
 
-    def _measured_says_ar(self, batch_size: int) -> bool | None:
-        """True/False when measured steps at this batch size favour AR/speculation, else None."""
-        bucket = batch_size.bit_length()
-        spec, ar = self._measured.get((bucket, True)), self._measured.get((bucket, False))
-        if spec is None or ar is None or spec[1] < 3 or ar[1] < 3:
-            return None
-        return spec[0] > ar[0]
+    def _measured_says_ar(self, batch_size: int, sampled: bool) -> bool | None:
+        """Whether measured steps favour AR at this batch size (the nearest measured bucket
+        stands in for one not measured yet); None while nothing comparable was measured."""
+        target = batch_size.bit_length()
+        buckets = sorted({k[0] for k in self._measured}, key=lambda b: abs(b - target))
+        for bucket in buckets:
+            spec = self._measured.get((bucket, sampled, True))
+            ar = self._measured.get((bucket, sampled, False))
+            if spec is not None and ar is not None and spec[1] >= 3 and ar[1] >= 3:
+                return spec[0] > ar[0]
+        return None
 
     def _stats(self, engine: LLMEngine) -> AcceptanceStats:
         snapshot = engine.acceptance.snapshot()
@@ -76,7 +82,7 @@ class AdaptiveController:
         except ValueError:
             return PRIOR
 
-    def choose(self, engine: LLMEngine, batch_size: int) -> TreeBudget:
+    def choose(self, engine: LLMEngine, batch_size: int, sampled: bool = False) -> TreeBudget:
         self._calls += 1
         steps = engine.acceptance.num_steps
         if self._planner is None or steps - self._planned_at_steps >= REPLAN_EVERY_STEPS:
@@ -97,10 +103,9 @@ class AdaptiveController:
         if plan.budget == 0:
             return TreeBudget(topk=1, depth=2, num_draft_tokens=2) if explore else no_spec
         # The model omits host overhead; real step costs overrule it once both were measured.
-        measured_ar = self._measured_says_ar(batch_size)
-        if measured_ar is None:
-            ar_seen = self._measured.get((batch_size.bit_length(), False), (0.0, 0))[1]
-            return no_spec if explore or ar_seen == 0 and self._calls % 4 == 0 else planned
+        measured_ar = self._measured_says_ar(batch_size, sampled)
+        if measured_ar is None:  # measure both choices first, alternating
+            return planned if self._calls % 2 else no_spec
         if measured_ar:
             return planned if explore else no_spec
         return no_spec if explore else planned
