@@ -103,6 +103,7 @@ class LLMEngine:
         )
         self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if cfg.num_mtp_modules else None
         self.acceptance = AcceptanceCounter()
+        self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
         self.last_timings = StepTimings()
         self.static_forward: StaticTargetForward | None = None
         use_static = engine_config.cuda_graphs
@@ -424,6 +425,8 @@ class LLMEngine:
         rollback = time.perf_counter() - r0
         for seq, tree, result in zip(seqs, trees, results, strict=True):
             self.acceptance.record(tree, result.accepted)
+            if not seq.sampling.greedy:
+                self.sampled_acceptance.record(tree, result.accepted)
             drafted = tree.num_nodes - 1
             seq.stats.record_step(drafted, result.num_accepted)
             new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
@@ -440,10 +443,10 @@ class LLMEngine:
         """Planned shape for sampled trees, re-planned as live statistics accumulate."""
         if all(seq.sampling.greedy for seq in seqs):
             return None
-        steps = self.acceptance.num_steps
+        steps = self.sampled_acceptance.num_steps
         key = (budget, min(steps // 256, 1 << 30) if steps >= LIVE_STATS_MIN_STEPS else -1)
         if self._shape_cache is None or self._shape_cache[0] != key:
-            snapshot = self.acceptance.snapshot() if key[1] >= 0 else None
+            snapshot = self.sampled_acceptance.snapshot() if key[1] >= 0 else None
             self._shape_cache = (key, sampled_tree_shape(budget, snapshot))
         return self._shape_cache[1]
 

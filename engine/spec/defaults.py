@@ -12,7 +12,7 @@ from engine.simulator import AcceptanceStats, optimal_tree
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.drafter import TreeBudget
 
-CPU_TREE = TreeBudget(topk=2, depth=5, num_draft_tokens=8)
+CPU_TREE = TreeBudget(topk=2, depth=6, num_draft_tokens=10)
 GPU_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
 CHAIN_DEPTH = 4
 
