@@ -22,6 +22,7 @@ class SeqRows:
     positions: list[int]  # [n] RoPE position of each row
     mask: torch.Tensor  # [n, n] bool among the new rows
     query_ctx_lens: list[int] | None = None  # [n] committed entries each row sees (None: all)
+    prev_hidden: torch.Tensor | None = None  # [n, H] MTP rows: depth-(d-1) hidden of each row
 
 
 def causal_mask(n: int) -> torch.Tensor:

@@ -84,6 +84,7 @@ class _SeqDraft:
 
 class MTPDrafter:
     _shape_children: list[list[int]] | None = None
+
     def __init__(
         self, model: DeepseekV3ForCausalLM, pool: BlockPool, reuse_last_module: bool
     ) -> None:
@@ -92,26 +93,6 @@ class MTPDrafter:
         self.num_modules = model.config.num_mtp_modules
         self.reuse_last_module = reuse_last_module
         self.device = pool.kv_cache.device
-
-    # ---- catch-up only (used when a step does not speculate) ----
-    def catch_up(self, seqs: list[Sequence]) -> None:
-        """Bring every module's committed rows up to date without drafting."""
-        for depth in range(1, self.num_modules + 1):
-            rows, owners = [], []
-            for seq in seqs:
-                spec = self._catch_up_rows(seq, depth)
-                if spec is not None:
-                    rows.append(spec)
-                    owners.append(seq)
-            if rows:
-                self._run_module(
-                    depth,
-                    [r for r, _, _ in rows],
-                    owners,
-                    [s for _, s, _ in rows],
-                    [n for _, _, n in rows],
-                    [[] for _ in rows],
-                )
 
     # ---- catch-up + drafting ----
     def draft(
@@ -163,8 +144,6 @@ class MTPDrafter:
                 starts,
                 catch_counts,
                 frontier_nodes,
-                frontier_prev=[d for d in drafts],
-                depth=m,
             )
             self._expand(drafts, frontier_hidden, m, budget)
             if not any(d.frontier for d in drafts):
@@ -190,16 +169,14 @@ class MTPDrafter:
         mask = (diff == 0) | (diff >= band)
         query_ctx = [min(ctx, t - depth + 2) for t in hidden_idx]
         rows = SeqRows(seq.block_ids, ctx, tokens, positions, mask, query_ctx)
-        rows.prev_hidden = prev  # type: ignore[attr-defined]
+        rows.prev_hidden = prev
         return rows, start, n
 
     def _add_frontier_rows(
         self, base: SeqRows, d: _SeqDraft, front: list[int], k_idx: int, m: int
     ) -> SeqRows:
         n_catch = len(base.token_ids)
-        prev_rows = [getattr(base, "prev_hidden", None)]
         if not front:
-            base.prev_hidden = prev_rows[0]  # type: ignore[attr-defined]
             return base
         n = n_catch + len(front)
         mask = torch.zeros(n, n, dtype=torch.bool)
@@ -211,10 +188,8 @@ class MTPDrafter:
         query_ctx = (base.query_ctx_lens or []) + [base.ctx_len] * len(front)
         parents_hidden = [d.nodes[d.nodes[i].parent].hidden for i in front]
         stacked = torch.stack([h for h in parents_hidden if h is not None])
-        prev = stacked if prev_rows[0] is None else torch.cat([prev_rows[0], stacked])
-        rows = SeqRows(base.block_ids, base.ctx_len, tokens, positions, mask, query_ctx)
-        rows.prev_hidden = prev  # type: ignore[attr-defined]
-        return rows
+        prev = stacked if base.prev_hidden is None else torch.cat([base.prev_hidden, stacked])
+        return SeqRows(base.block_ids, base.ctx_len, tokens, positions, mask, query_ctx, prev)
 
     # ---- forward of one module over all sequences ----
     def _run_module(
@@ -225,8 +200,6 @@ class MTPDrafter:
         starts: list[int],
         catch_counts: list[int],
         frontier_nodes: list[list[int]],
-        frontier_prev: list[_SeqDraft] | None = None,
-        depth: int = 0,
     ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Run module ``module``; commit catch-up rows; return per sequence
         (hidden of its row at K-1 for depth 1 else None, frontier hidden [f, H] or None)."""
@@ -235,7 +208,7 @@ class MTPDrafter:
         if not active:
             return [(None, None) for _ in rows]
         ids, batch = build_batch(active, self.pool.block_size, self.device)
-        prev = torch.cat([r.prev_hidden for r in active])  # type: ignore[attr-defined]
+        prev = torch.cat([r.prev_hidden for r in active if r.prev_hidden is not None])
         cache_layer = self.model.mtp_cache_layer(module)
         hidden = self.model.forward_mtp(module, prev, ids, batch, self.pool.kv_cache)
         offset = 0
