@@ -267,17 +267,19 @@ class MTPDrafter:
             return
         logits = self.model.logits(torch.cat(hiddens))  # [rows, V]
         topk = min(budget.topk, logits.shape[-1])
+        # Greedy rows: top-k of every row at once, one transfer to the host.
+        top_values, top_tokens = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)  # [rows, k]
+        top_pairs = list(zip(top_tokens.tolist(), top_values.tolist(), strict=True))
         row = 0
         for d, parents in zip(drafts, parents_per_seq, strict=True):
             new_nodes: list[int] = []
             params = d.seq.sampling
             for parent in parents:
                 row_logits = logits[row]
+                row_tokens, row_values = top_pairs[row]
                 row += 1
                 if params.greedy:
-                    logq = torch.log_softmax(row_logits, dim=-1)
-                    values, tokens = logq.topk(topk)
-                    picks = list(zip(tokens.tolist(), values.tolist(), strict=True))
+                    picks = list(zip(row_tokens, row_values, strict=True))
                 else:
                     q = probs_from_logits(
                         row_logits[None],
