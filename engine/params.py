@@ -80,6 +80,9 @@ class SpecConfig:
     depth: int | None = None
     num_draft_tokens: int | None = None
     reuse_last_module: bool = True
+    # Greedy trees stop deepening once the best path's draft probability is below this
+    # (EAGLE-2's confidence cut); None = the device default (see engine.spec.defaults).
+    min_path_prob: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "chain", "tree", "adaptive"):
@@ -90,6 +93,8 @@ class SpecConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.min_path_prob is not None and not (0.0 <= float(self.min_path_prob) < 1.0):
+            raise ValueError(f"min_path_prob must be in [0, 1) or None, got {self.min_path_prob!r}")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from engine.simulator import AcceptanceStats, optimal_tree
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.drafter import TreeBudget
 
-CPU_TREE = TreeBudget(topk=2, depth=6, num_draft_tokens=10)
-GPU_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
+CPU_TREE = TreeBudget(topk=2, depth=6, num_draft_tokens=10, min_path_prob=0.15)
+GPU_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)  # full trees keep CUDA graphs usable
 CHAIN_DEPTH = 4
 
 
@@ -28,7 +28,12 @@ def resolve_budget(spec: SpecConfig, device_type: str, vocab_size: int) -> TreeB
     topk = min(spec.topk or base.topk, vocab_size)
     depth = spec.depth or base.depth
     budget = spec.num_draft_tokens or base.num_draft_tokens
-    return TreeBudget(topk=topk, depth=depth, num_draft_tokens=budget)
+    return TreeBudget(
+        topk=topk,
+        depth=depth,
+        num_draft_tokens=budget,
+        min_path_prob=base.min_path_prob if spec.min_path_prob is None else spec.min_path_prob,
+    )
 
 
 # Acceptance per depth and sibling rank assumed for sampled trees before live statistics exist

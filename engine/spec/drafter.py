@@ -27,6 +27,7 @@ child's own sampled value (the verifier's exactness condition, see ``engine.spec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ class TreeBudget:
     topk: int
     depth: int
     num_draft_tokens: int
+    min_path_prob: float = 0.0  # greedy trees: stop deepening below this path probability
 
     @property
     def speculates(self) -> bool:
@@ -308,6 +310,12 @@ class MTPDrafter:
                 d.frontier = [i for i in new_nodes if self._shape_children[d.nodes[i].shape_index]]
             if not params.greedy and len(d.nodes) - 1 >= budget.num_draft_tokens:
                 d.frontier = []  # creation order already fills the budget
+            if params.greedy and d.frontier and budget.min_path_prob > 0:
+                # EAGLE-2's confidence: stop drafting deeper once even the best path is unlikely
+                # (saves sequential MTP forwards where the target would reject anyway).
+                best = max(d.nodes[i].score for i in d.frontier)
+                if best < math.log(budget.min_path_prob):
+                    d.frontier = []
 
     def _planned_children(self, shape_index: int, topk: int) -> list[int]:
         """Shape nodes filled by the children of a sampled node (in draw order)."""
