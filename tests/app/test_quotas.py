@@ -46,8 +46,14 @@ async def test_kv_token_quota() -> None:
 async def test_queue_full_is_429() -> None:
     engine = FakeEngine(step_delay_s=0.03)
     async with running_app(engine, max_batch=1, max_waiting=1) as h:
-        tasks = [asyncio.create_task(h.complete(prompt="x", max_tokens=15)) for _ in range(4)]
-        results = [await t for t in tasks]
+        first = asyncio.create_task(h.complete(prompt="x", max_tokens=60))
+        for _ in range(500):  # let the first request reach the engine before the others arrive
+            if engine.num_running == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_running == 1
+        rest = [asyncio.create_task(h.complete(prompt="x", max_tokens=15)) for _ in range(3)]
+        results = [await first] + [await t for t in rest]
         statuses = sorted(r.status_code for r in results)
         assert statuses == [200, 200, 429, 429]  # one running, one queued, the rest refused
         full = [r for r in results if r.status_code == 429]
