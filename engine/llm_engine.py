@@ -49,11 +49,24 @@ GPU_DEFAULT_KV_FRACTION = 0.3
 
 @dataclass
 class StepTimings:
-    """Host-clock timings of the last step (seconds), for benchmarks."""
+    """Timings of the last step (seconds), for benchmarks.
+
+    ``draft`` and ``verify`` are host clock. On CUDA the rollback (compaction) is timed with CUDA
+    events and only resolved when read, so the decode loop never waits for it.
+    """
 
     draft: float = 0.0
     verify: float = 0.0
-    rollback: float = 0.0
+    rollback_host: float = 0.0
+    rollback_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    @property
+    def rollback(self) -> float:
+        if self.rollback_events is None:
+            return self.rollback_host
+        start, end = self.rollback_events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 class LLMEngine:
@@ -90,9 +103,8 @@ class LLMEngine:
         self.budget = resolve_budget(spec, device.type, cfg.vocab_size)
         dtype = next(model.parameters()).dtype
         memory = engine_config.kv_memory_bytes or self._default_kv_bytes(device)
-        num_layers = cfg.num_layers_total if spec.method != "none" else cfg.num_hidden_layers
         num_blocks = BlockPool.blocks_for_budget(
-            memory, max(num_layers, cfg.num_layers_total), engine_config.block_size, cfg.latent_dim, dtype
+            memory, cfg.num_layers_total, engine_config.block_size, cfg.latent_dim, dtype
         )
         self.pool = BlockPool(
             cfg.num_layers_total, num_blocks, engine_config.block_size, cfg.latent_dim, dtype, device
@@ -191,7 +203,7 @@ class LLMEngine:
                 f"prompt ({total - sampling.max_tokens} tokens) plus max_tokens "
                 f"({sampling.max_tokens}) exceeds the context length {self.max_model_len}"
             )
-        needed = -(-(total + self.scheduler.scratch_tokens) // self.pool.block_size)
+        needed = self.scheduler.blocks_for(total)
         if needed > self.pool.num_blocks:
             raise KVCacheFull(
                 f"request needs {needed} KV blocks but the pool has {self.pool.num_blocks}; "
@@ -216,7 +228,6 @@ class LLMEngine:
             seq.finish_reason = None
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
-        seq.arrival_order = next(self._arrivals)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -420,9 +431,15 @@ class LLMEngine:
                 seq.push_hidden(0, seq.num_committed, hidden[offset : offset + n][path])
             seq.num_committed += m + 1
             offset += n
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         r0 = time.perf_counter()
         self._compact(src, dst, zero)
         rollback = time.perf_counter() - r0
+        if events is not None:
+            events[1].record()
         for seq, tree, result in zip(seqs, trees, results, strict=True):
             self.acceptance.record(tree, result.accepted)
             if not seq.sampling.greedy:
@@ -431,7 +448,7 @@ class LLMEngine:
             seq.stats.record_step(drafted, result.num_accepted)
             new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
             self._append_tokens(seq, new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
-        self.last_timings = StepTimings(draft=t1 - t0, verify=t2 - t1, rollback=rollback)
+        self.last_timings = StepTimings(t1 - t0, t2 - t1, rollback, events)
 
     def _forward_target(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Decode-step target forward: static shapes / CUDA graphs when eligible, else eager."""
@@ -444,7 +461,7 @@ class LLMEngine:
         if all(seq.sampling.greedy for seq in seqs):
             return None
         steps = self.sampled_acceptance.num_steps
-        key = (budget, min(steps // 256, 1 << 30) if steps >= LIVE_STATS_MIN_STEPS else -1)
+        key = (budget, steps // 256 if steps >= LIVE_STATS_MIN_STEPS else -1)
         if self._shape_cache is None or self._shape_cache[0] != key:
             snapshot = self.sampled_acceptance.snapshot() if key[1] >= 0 else None
             self._shape_cache = (key, sampled_tree_shape(budget, snapshot))
@@ -481,8 +498,6 @@ class LLMEngine:
             torch.cat(dst) if dst else empty,
             torch.cat(zero) if zero else empty,
         )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so the rollback time is the kernel's
 
     # ------------------------------------------------------------------ tokens and finishing
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:

@@ -5,7 +5,7 @@ Frozen dataclasses validated on construction: a bad value raises ``ValueError`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 SpecMethod = Literal["none", "chain", "tree", "adaptive"]
@@ -109,7 +109,6 @@ class EngineConfig:
     # Static-shape target forward: None = CUDA graphs on CUDA, off on CPU; True forces the
     # padded static path everywhere (graphs only on CUDA); False turns it off.
     cuda_graphs: bool | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

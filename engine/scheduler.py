@@ -37,10 +37,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens reserves, one step's draft scratch included."""
+        return -(-(num_tokens + self.scratch_tokens) // self.pool.block_size)
+
     def blocks_needed(self, seq: Sequence) -> int:
         remaining = seq.sampling.max_tokens - len(seq.output_ids)
-        total = len(seq.tokens) + max(remaining, 0) + self.scratch_tokens
-        return -(-total // self.pool.block_size)
+        return self.blocks_for(len(seq.tokens) + max(remaining, 0))
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING

@@ -47,7 +47,6 @@ class Sequence:
     mtp_committed: list[int] = field(default_factory=list)
     pending_hidden: list[torch.Tensor | None] = field(default_factory=list)
     pending_start: list[int] = field(default_factory=list)
-    arrival_order: int = 0
 
     def __post_init__(self) -> None:
         k = self.num_mtp_modules
@@ -68,10 +67,6 @@ class Sequence:
     def in_prefill(self) -> bool:
         """True while more than the single pending token still has to run through the target."""
         return self.num_uncomputed > 1 or len(self.tokens) == self.output_start
-
-    @property
-    def last_known_index(self) -> int:
-        return len(self.tokens) - 1
 
     # ---- MTP hidden-state queue ----
     def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:
@@ -97,9 +92,3 @@ class Sequence:
         self.pending_hidden[depth] = rest
         self.pending_start[depth] = start + count
         return start, taken
-
-    def reset_mtp_state(self) -> None:
-        k = self.num_mtp_modules
-        self.mtp_committed = [0] * k
-        self.pending_hidden = [None] * k
-        self.pending_start = [0] * k

@@ -8,30 +8,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics_app import build_metrics_app
 from tests.app.harness import KEY_B, running_app
+from tests.design_metrics import COUNTERS_AND_GAUGES, HISTOGRAMS
 
 pytestmark = pytest.mark.anyio
 
-DESIGN_NAMES = {
-    "mtpserve_time_to_first_token_seconds_bucket",
-    "mtpserve_inter_token_latency_seconds_bucket",
-    "mtpserve_time_per_output_token_seconds_bucket",
-    "mtpserve_e2e_request_latency_seconds_bucket",
-    "mtpserve_queue_time_seconds_bucket",
-    "mtpserve_accepted_tokens_per_step_bucket",
-    "mtpserve_spec_verify_steps_total",
-    "mtpserve_spec_draft_tokens_total",
-    "mtpserve_spec_accepted_tokens_total",
-    "mtpserve_spec_accepted_tokens_per_position_total",
-    "mtpserve_requests_total",
-    "mtpserve_prompt_tokens_total",
-    "mtpserve_completion_tokens_total",
-    "mtpserve_kv_zeroed_bytes_total",
-    "mtpserve_requests_running",
-    "mtpserve_requests_waiting",
-    "mtpserve_kv_blocks_used",
-    "mtpserve_kv_blocks_total",
-    "mtpserve_sessions_active",
-}
+DESIGN_NAMES = {f"{h}_bucket" for h in HISTOGRAMS} | COUNTERS_AND_GAUGES
 
 
 async def test_metrics_text_parses_and_counts() -> None:

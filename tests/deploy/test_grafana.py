@@ -13,33 +13,14 @@ from tests.deploy.conftest import (
     load_yaml,
     rule_exprs,
 )
+from tests.design_metrics import DESIGN_METRICS
 
 PROVISIONING = DEPLOY / "grafana" / "provisioning"
 GRAFANA = load_yaml(REPO / "docker-compose.yml")["services"]["grafana"]
 
 # Every metric of the DESIGN.md list: the dashboards must show each one, and PromQL may name no
 # other (a typo in a metric name gives an empty panel, not an error).
-METRICS = {
-    "mtpserve_time_to_first_token_seconds",
-    "mtpserve_inter_token_latency_seconds",
-    "mtpserve_time_per_output_token_seconds",
-    "mtpserve_e2e_request_latency_seconds",
-    "mtpserve_queue_time_seconds",
-    "mtpserve_accepted_tokens_per_step",
-    "mtpserve_spec_verify_steps_total",
-    "mtpserve_spec_draft_tokens_total",
-    "mtpserve_spec_accepted_tokens_total",
-    "mtpserve_spec_accepted_tokens_per_position_total",
-    "mtpserve_requests_total",
-    "mtpserve_prompt_tokens_total",
-    "mtpserve_completion_tokens_total",
-    "mtpserve_kv_zeroed_bytes_total",
-    "mtpserve_requests_running",
-    "mtpserve_requests_waiting",
-    "mtpserve_kv_blocks_used",
-    "mtpserve_kv_blocks_total",
-    "mtpserve_sessions_active",
-}
+METRICS = DESIGN_METRICS
 
 
 def _metric_names(expr: str) -> set[str]:
