@@ -40,6 +40,7 @@ from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import AdaptiveController
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget
+from engine.spec.graphed_tree import GraphedGreedyTree
 from engine.spec.tree import DraftTree
 from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 
@@ -118,6 +119,7 @@ class LLMEngine:
         self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
         self.last_timings = StepTimings()
         self.static_forward: StaticTargetForward | None = None
+        self.graphed_tree: GraphedGreedyTree | None = None
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
@@ -127,6 +129,11 @@ class LLMEngine:
                 model, self.pool, (1, self.budget.num_draft_tokens + 1), max_blocks,
                 engine_config.max_batch_size, use_graphs=device.type == "cuda",
             )  # fmt: skip
+            if self.drafter is not None and self.budget.speculates:
+                self.graphed_tree = GraphedGreedyTree(
+                    model, self.pool, self.budget, max_blocks, engine_config.max_batch_size,
+                    use_graphs=device.type == "cuda", reuse_last_module=spec.reuse_last_module,
+                )  # fmt: skip
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
@@ -324,7 +331,11 @@ class LLMEngine:
             budget = self._choose_budget(decode)
             start, before = time.perf_counter(), len(outputs)
             if budget.speculates:
-                self._speculative_step(decode, budget, outputs)
+                graphed, host = self._split_graphed(decode, budget)
+                if host:
+                    self._speculative_step(host, budget, outputs)
+                if graphed:
+                    self._graphed_step(graphed, outputs)
             else:
                 self._autoregressive_step(decode, outputs)
             if self.adaptive is not None:
@@ -449,6 +460,36 @@ class LLMEngine:
             new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
             self._append_tokens(seq, new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
         self.last_timings = StepTimings(t1 - t0, t2 - t1, rollback, events)
+
+    def _split_graphed(
+        self, seqs: list[Sequence], budget: TreeBudget
+    ) -> tuple[list[Sequence], list[Sequence]]:
+        """(sequences for the device-resident greedy step, sequences for the host-driven one)."""
+        fast = self.graphed_tree
+        if fast is None or budget != fast.budget:
+            return [], seqs
+        graphed = [s for s in seqs if fast.eligible(s)][: fast.max_batch]
+        chosen = {id(s) for s in graphed}
+        return graphed, [s for s in seqs if id(s) not in chosen]
+
+    def _graphed_step(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
+        """Greedy tree speculation as two graph replays (see engine/spec/graphed_tree.py)."""
+        assert self.graphed_tree is not None
+        t0 = time.perf_counter()
+        results, timing = self.graphed_tree.run(seqs)
+        elapsed = time.perf_counter() - t0
+        drafted = self.graphed_tree.N
+        for seq, res in zip(seqs, results, strict=True):
+            self.acceptance.record_path(res.has_children, res.child_ranks)
+            accepted = len(res.accepted_tokens)
+            seq.stats.record_step(drafted, accepted)
+            self._append_tokens(
+                seq, [*res.accepted_tokens, res.bonus_token], outputs, drafted=drafted, accepted=accepted
+            )
+        if len(timing) == 2:
+            self.last_timings = StepTimings(0.0, elapsed, 0.0, timing)  # type: ignore[arg-type]
+        else:
+            self.last_timings = StepTimings(0.0, elapsed, float(timing[0]))  # type: ignore[arg-type]
 
     def _forward_target(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Decode-step target forward: static shapes / CUDA graphs when eligible, else eager."""

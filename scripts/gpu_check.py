@@ -1,9 +1,14 @@
-"""GPU check of the fast path on one model: CUDA graphs vs eager, speculation vs autoregressive.
+"""GPU check of the fast path on one model: exactness first, then speed, in one run.
 
-Greedy tokens must be identical (float32) with and without CUDA graphs and with and without
-speculation; then tokens/s at batch 1 and 8 for each. Writes JSON to the folder given.
+1. float32: greedy tokens of the graphed tree step (``engine/spec/graphed_tree.py``), of the
+   host-driven tree step and of CUDA-graph autoregressive decoding must be identical (batch 8
+   and batch 1), and the graphed step must really carry the decode steps.
+2. bf16: tokens/s, time per output token, mean accepted length and rollback time per step of
+   graphed AR vs graphed tree at several batch sizes.
 
-    python scripts/gpu_check.py OUT_DIR [--model models/demo]
+Writes gpu_check.json to the folder given.
+
+    PYTHONPATH=. python scripts/gpu_check.py OUT_DIR [--model models/demo]
 """
 
 from __future__ import annotations
@@ -19,14 +24,43 @@ from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from train.heldout import heldout_prompts
 
 
-def _timed(eng: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> tuple[list, float]:  # type: ignore[type-arg]
-    eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+def _count_graphed(eng: LLMEngine) -> list[int]:
+    calls: list[int] = []
+    if eng.graphed_tree is not None:
+        run = eng.graphed_tree.run
+        eng.graphed_tree.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+    return calls
+
+
+def _timed(eng: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> dict[str, float]:
+    eng.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # warm-up
+    rollback: list[float] = []
     torch.cuda.synchronize()
     start = time.perf_counter()
-    outs = eng.generate(prompts, sp)
+    ids = [f"t{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        eng.add_request(rid, p, sp)
+    outs = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        before = eng.last_timings
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+        if eng.last_timings is not before and eng.last_timings.rollback_events is not None:
+            rollback.append(eng.last_timings.rollback)  # resolves events (a sync) per step
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    return outs, sum(len(o.token_ids) for o in outs) / elapsed
+    tokens = sum(len(o.token_ids) for o in outs.values())
+    mal = sum(o.stats.mean_accepted_length for o in outs.values()) / len(outs)
+    return {
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "tpot_ms": round(elapsed / (tokens / len(prompts)) * 1e3, 4),
+        "steps": steps,
+        "mean_accepted_length": round(mal, 3),
+        "rollback_ms_mean": round(sum(rollback) / len(rollback) * 1e3, 4) if rollback else 0.0,
+    }
 
 
 def main() -> None:
@@ -34,47 +68,76 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--model", default="models/demo")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,4,16,64,256")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    cfg = EngineConfig(max_batch_size=8, kv_memory_bytes=2 << 30)
-    variants = {
-        "ar-eager": (SpecConfig(method="none"), EngineConfig(max_batch_size=8, kv_memory_bytes=2 << 30, cuda_graphs=False)),
-        "ar-graphs": (SpecConfig(method="none"), cfg),
-        "tree-eager": (SpecConfig(method="tree"), EngineConfig(max_batch_size=8, kv_memory_bytes=2 << 30, cuda_graphs=False)),
-        "tree-graphs": (SpecConfig(method="tree"), cfg),
-        "chain-graphs": (SpecConfig(method="chain"), cfg),
-    }
     report: dict[str, object] = {"device": torch.cuda.get_device_name(0), "model": args.model}
-    prompts: list[list[int]] | None = None
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def save() -> None:
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    # 1. exactness in float32
+    cfg8 = EngineConfig(max_batch_size=8, kv_memory_bytes=2 << 30)
+    exact: dict[str, object] = {}
     base: list[list[int]] | None = None
-    for name, (spec, ecfg) in variants.items():
+    prompts: list[list[int]] = []
+    for name, spec, ecfg in [
+        ("ar-graphs", SpecConfig(method="none"), cfg8),
+        ("tree-graphed", SpecConfig(method="tree"), cfg8),
+        ("tree-host", SpecConfig(method="tree"), EngineConfig(max_batch_size=8, kv_memory_bytes=2 << 30, cuda_graphs=False)),
+        ("chain-graphed", SpecConfig(method="chain"), cfg8),
+    ]:
         t0 = time.perf_counter()
-        eng = LLMEngine.from_pretrained(args.model, device="cuda", dtype="float32", spec=spec,
-                                        engine_config=ecfg)
-        build_s = time.perf_counter() - t0
-        if prompts is None:
+        eng = LLMEngine.from_pretrained(args.model, device="cuda", dtype="float32", spec=spec, engine_config=ecfg)
+        row: dict[str, object] = {"build_s": round(time.perf_counter() - t0, 2)}
+        if not prompts:
             prompts = heldout_prompts(args.model, eng.tokenizer, 8, 64)  # type: ignore[arg-type]
-        row: dict[str, object] = {"build_s": round(build_s, 2)}
-        if eng.static_forward is not None:
-            row["graphs"] = eng.static_forward.use_graphs
-            row["capture_error"] = eng.static_forward.capture_error
-        for batch in (1, 8):
-            outs, tps = _timed(eng, prompts[:batch], sp)
-            tokens = [o.token_ids for o in outs]
-            if batch == 8:
-                if base is None:
-                    base = tokens
-                row["greedy_equal_to_ar_eager"] = tokens == base
-                row["mean_accepted_length"] = sum(o.stats.mean_accepted_length for o in outs) / 8
-            row[f"tokens_per_s_b{batch}"] = round(tps, 1)
-            row[f"rollback_ms_last_step_b{batch}"] = round(eng.last_timings.rollback * 1e3, 4)
-        report[name] = row
+        if eng.graphed_tree is not None:
+            row["graphs"] = eng.graphed_tree.use_graphs
+            row["capture_error"] = eng.graphed_tree.capture_error
+        calls = _count_graphed(eng)
+        outs = eng.generate(prompts, sp)
+        one = eng.generate(prompts[:2], sp) + eng.generate(prompts[2:3], sp)
+        tokens = [o.token_ids for o in outs]
+        tokens1 = [o.token_ids for o in one]
+        if base is None:
+            base = tokens
+        row["greedy_equal_to_ar"] = tokens == base and tokens1 == base[:3]
+        row["graphed_steps"] = len(calls)
+        row["mean_accepted_length"] = round(sum(o.stats.mean_accepted_length for o in outs) / len(outs), 3)
+        exact[name] = row
         print(name, row, flush=True)
         del eng
         torch.cuda.empty_cache()
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["float32_exactness"] = exact
+    save()
+
+    # 2. speed in bf16
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    cfg = EngineConfig(max_batch_size=max(batches), kv_memory_bytes=8 << 30)
+    speed: dict[str, object] = {}
+    for name, spec in [("ar", SpecConfig(method="none")), ("tree", SpecConfig(method="tree")),
+                       ("tree-8", SpecConfig(method="tree", num_draft_tokens=8))]:
+        t0 = time.perf_counter()
+        eng = LLMEngine.from_pretrained(args.model, device="cuda", dtype="bfloat16", spec=spec, engine_config=cfg)
+        rows: dict[str, object] = {"build_s": round(time.perf_counter() - t0, 2)}
+        for b in batches:
+            batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+            rows[f"b{b}"] = _timed(eng, batch_prompts, sp)
+            print(name, b, rows[f"b{b}"], flush=True)
+        speed[name] = rows
+        report["bf16_speed"] = speed
+        save()
+        del eng
+        torch.cuda.empty_cache()
+    for b in batches:
+        ar = speed["ar"][f"b{b}"]["tokens_per_s"]  # type: ignore[index]
+        for name in ("tree", "tree-8"):
+            speed[name][f"b{b}"]["speedup_vs_ar"] = round(speed[name][f"b{b}"]["tokens_per_s"] / ar, 3)  # type: ignore[index]
+    save()
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

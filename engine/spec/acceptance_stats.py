@@ -17,17 +17,24 @@ class AcceptanceCounter:
         self.depth_rank_accepted: list[list[int]] = []
 
     def record(self, tree: DraftTree, accepted: list[int]) -> None:
+        self.record_path(
+            [bool(tree.children(node)) for node in accepted],
+            [tree.sibling_rank(node) for node in accepted[1:]],
+        )
+
+    def record_path(self, has_children: list[bool], child_ranks: list[int]) -> None:
+        """One verify step: for the accepted node at depth j (the root is depth 0), whether it
+        had children, and the sibling rank of the accepted node at depth j + 1."""
         self.num_steps += 1
-        for pos, node in enumerate(accepted):
-            if not tree.children(node):
+        for depth, offered in enumerate(has_children):
+            if not offered:
                 continue
-            depth = tree.depth_list[node]
             while len(self.depth_reached) <= depth:
                 self.depth_reached.append(0)
                 self.depth_rank_accepted.append([])
             self.depth_reached[depth] += 1
-            if pos + 1 < len(accepted):
-                rank = tree.sibling_rank(accepted[pos + 1])
+            if depth < len(child_ranks):
+                rank = child_ranks[depth]
                 ranks = self.depth_rank_accepted[depth]
                 while len(ranks) <= rank:
                     ranks.append(0)

@@ -1,0 +1,485 @@
+"""GraphedGreedyTree: a whole greedy tree-speculation step as static-shape device code.
+
+The host-driven path (``MTPDrafter`` + ``verify_greedy``) builds trees node by node in Python and
+reads the device after every depth; on a GPU that host work, not the model, sets the step time.
+This module runs the same algorithm — MTP catch-up, EAGLE-2 tree growth with ``topk`` children
+per frontier node, the best ``num_draft_tokens`` nodes, one tree-masked verify forward, greedy
+acceptance, KV compaction with the rejected slots zeroed — entirely on the device, with shapes
+that depend only on the batch bucket. So each step is two CUDA-graph replays (draft + verify +
+accept, then rollback) and one small device-to-host copy of the accepted tokens.
+
+Static shapes (per sequence; K = topk, D = depth, N = tree nodes, k = MTP modules, C = D + 1):
+
+- module d <= k gets C catch-up rows (the first ``c`` valid: tokens accepted last step, 1 <= c <= C)
+  plus K frontier rows at depths 2..D; padding rows write past the committed entries and are
+  zeroed right after the forward, exactly like the frontier rows (drafts leave nothing behind);
+- depths beyond k reuse module k with K frontier rows;
+- candidates: K at depth 1, K*K at each deeper depth; the N best by cumulative log-probability
+  (ties: creation order, so the set is ancestor-closed) become the tree, in creation order.
+
+A sequence qualifies when it decodes greedily without penalties and its MTP state is the steady
+state of the previous speculative step (``eligible``); any other sequence (first step after a
+prefill, sampling, penalties) takes the host-driven path in the same engine step. Greedy output
+is identical to autoregressive decoding whatever tree is drafted, and the tests check it.
+
+On CPU (``use_graphs=False``) the same code runs eagerly, which is how it is tested in CI.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.kv.block_pool import BlockOwner, BlockPool
+from engine.model.attention_batch import AttentionBatch
+from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.sequence import Sequence
+from engine.spec.drafter import TreeBudget
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
+
+
+@dataclass
+class GreedyStepResult:
+    """One sequence's outcome: accepted draft tokens, bonus token, and acceptance details."""
+
+    accepted_tokens: list[int]
+    bonus_token: int
+    has_children: list[bool]  # [a + 1] accepted path node at depth j had children in the tree
+    child_ranks: list[int]  # [a] sibling rank of the accepted node at depth j + 1
+
+
+class _Buffers:
+    """Static inputs and outputs of one batch bucket."""
+
+    def __init__(self, bucket: int, g: GraphedGreedyTree) -> None:
+        dev, H, C, D = g.device, g.hidden_size, g.C, g.D
+        self.bucket = bucket
+        self.tables = torch.full((bucket, g.max_blocks), -1, dtype=torch.int32, device=dev)
+        self.L = torch.zeros(bucket, dtype=torch.long, device=dev)  # target committed = root index
+        self.c = torch.ones(bucket, dtype=torch.long, device=dev)  # catch-up rows per module
+        self.tail = torch.zeros(bucket, C, dtype=torch.long, device=dev)  # catch-up tokens
+        self.rows0 = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev)  # module 1 inputs
+        self.carry = torch.zeros(bucket, max(g.k - 1, 0), H, dtype=g.dtype, device=dev)
+        # Outputs.
+        self.packed = torch.zeros(bucket, 2 + 3 * (D + 1), dtype=torch.long, device=dev)
+        self.next_rows = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev)
+        self.next_carry = torch.zeros_like(self.carry)
+        self.src_slots = torch.zeros(bucket * C, dtype=torch.long, device=dev)
+        self.dst_slots = torch.zeros(bucket * C, dtype=torch.long, device=dev)
+        self.keep = torch.zeros(bucket * C, dtype=torch.bool, device=dev)
+        self.reject_slots = torch.zeros(bucket * (g.N + 1 - C), dtype=torch.long, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.rollback_graph: torch.cuda.CUDAGraph | None = None
+
+    def set_padding(self, start: int, g: GraphedGreedyTree) -> None:
+        """Rows ``start:`` become dummy sequences living in the scratch blocks."""
+        self.tables[start:] = g.pad_table
+        self.L[start:] = g.k
+        self.c[start:] = 1
+        self.tail[start:] = 0
+
+
+class GraphedGreedyTree:
+    """Greedy EAGLE-2 tree speculation over MTP modules as one static device program."""
+
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        pool: BlockPool,
+        budget: TreeBudget,
+        max_blocks: int,
+        max_batch: int,
+        use_graphs: bool,
+        reuse_last_module: bool = True,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    ) -> None:
+        cfg = model.config
+        self.model, self.pool = model, pool
+        self.k = cfg.num_mtp_modules
+        if self.k < 1 or not budget.speculates:
+            raise ValueError("GraphedGreedyTree needs MTP modules and a speculating budget")
+        self.K = min(budget.topk, cfg.vocab_size)
+        self.D = budget.depth if reuse_last_module else min(budget.depth, self.k)
+        self.num_candidates = self.K + (self.D - 1) * self.K * self.K
+        self.N = min(budget.num_draft_tokens, self.num_candidates)
+        self.C = self.D + 1
+        if self.N < self.D:
+            raise ValueError("num_draft_tokens must be at least the depth for the graphed tree")
+        self.budget = budget
+        self.hidden_size = cfg.hidden_size
+        self.num_main_layers = cfg.num_hidden_layers
+        self.dtype = next(model.parameters()).dtype
+        self.device = pool.kv_cache.device
+        self.block_size = pool.block_size
+        self.max_blocks = max_blocks
+        self.buckets = tuple(b for b in buckets if b <= max_batch) or (1,)
+        # Candidate depth of each candidate index (depth-major creation order).
+        depths = [1] * self.K + [m for m in range(2, self.D + 1) for _ in range(self.K * self.K)]
+        self.cand_depth = torch.tensor(depths, dtype=torch.long, device=self.device)  # [T]
+        scratch_tokens = self.k + self.C + self.K + self.N + 2
+        self.scratch = pool.allocate(-(-scratch_tokens // self.block_size), BlockOwner("graph-padding"))
+        self.scratch_index = torch.tensor(self.scratch, device=self.device)
+        self.pad_table = torch.full((max_blocks,), -1, dtype=torch.int32, device=self.device)
+        self.pad_table[: len(self.scratch)] = self.scratch_index.to(torch.int32)
+        self.trash_slot = self.scratch[-1] * self.block_size + self.block_size - 1
+        self._buffers = {b: _Buffers(b, self) for b in self.buckets}
+        for buf in self._buffers.values():
+            buf.set_padding(0, self)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.capture_error: str | None = None
+        if self.use_graphs:
+            try:
+                self._capture_all()
+            except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly instead
+                self.capture_error = f"{type(exc).__name__}: {exc}"
+                self.use_graphs = False
+                for buf in self._buffers.values():
+                    buf.graph = buf.rollback_graph = None
+                torch.cuda.synchronize()
+                warnings.warn(f"graphed tree capture failed, running eagerly: {self.capture_error}",
+                              stacklevel=2)
+            self._zero_scratch()
+
+    # ------------------------------------------------------------------ eligibility
+    def capacity_needed(self, seq: Sequence) -> int:
+        L = seq.num_committed
+        return max(L + self.C + self.K, L + self.N + 1) + 1
+
+    def eligible(self, seq: Sequence) -> bool:
+        """Greedy, no penalties, and the MTP state of a previous full speculative step."""
+        params = seq.sampling
+        if not params.greedy or params.has_penalties:
+            return False
+        L = seq.num_committed
+        if len(seq.tokens) != L + 1 or seq.pending_hidden[0] is None:
+            return False
+        c = L - seq.mtp_committed[0]
+        if not 1 <= c <= self.C:
+            return False
+        if seq.pending_start[0] != L - c or seq.pending_hidden[0].shape[0] != c:
+            return False
+        for d in range(2, self.k + 1):
+            rows = seq.pending_hidden[d - 1]
+            mc = L - d - c + 1
+            if seq.mtp_committed[d - 1] != mc or rows is None or rows.shape[0] != 1:
+                return False
+            if seq.pending_start[d - 1] != mc:
+                return False
+        cap = len(seq.block_ids) * self.block_size
+        return self.capacity_needed(seq) <= cap and len(seq.block_ids) <= self.max_blocks
+
+    # ------------------------------------------------------------------ host side of a step
+    def _bucket(self, n: int) -> int:
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None:
+            raise ValueError(f"batch of {n} exceeds the largest graphed bucket {self.buckets[-1]}")
+        return bucket
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> tuple[list[GreedyStepResult], tuple[object, ...]]:
+        """One speculative step for eligible ``seqs``; updates their KV/MTP state (not tokens).
+
+        Returns per-sequence results and the rollback timing handle (CUDA events or seconds).
+        """
+        n = len(seqs)
+        buf = self._buffers[self._bucket(n)]
+        C = self.C
+        L = [s.num_committed for s in seqs]
+        c = [Li - s.mtp_committed[0] for Li, s in zip(L, seqs, strict=True)]
+        tail = torch.zeros(n, C, dtype=torch.long)
+        tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tail[i, : c[i]] = torch.tensor(s.tokens[L[i] - c[i] + 1 : L[i] + 1])
+            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        buf.tail[:n].copy_(tail)
+        buf.tables[:n].copy_(tables)
+        buf.L[:n].copy_(torch.tensor(L))
+        buf.c[:n].copy_(torch.tensor(c))
+        buf.set_padding(n, self)
+        rows0 = torch.nn.utils.rnn.pad_sequence(
+            [s.pending_hidden[0] for s in seqs], batch_first=True  # type: ignore[misc]
+        )  # [n, max c, H]
+        buf.rows0[:n, : rows0.shape[1]].copy_(rows0)
+        if self.k > 1:
+            carry = torch.cat([h for s in seqs for h in s.pending_hidden[1 : self.k]])  # type: ignore[misc]
+            buf.carry[:n].copy_(carry.view(n, self.k - 1, self.hidden_size))
+        timing: tuple[object, ...]
+        if buf.graph is not None and buf.rollback_graph is not None:
+            buf.graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            buf.rollback_graph.replay()
+            end.record()
+            timing = (start, end)
+        else:
+            self._draft_verify_accept(buf)
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._rollback(buf)
+                end.record()
+                timing = (start, end)
+            else:
+                import time  # noqa: PLC0415
+
+                t0 = time.perf_counter()
+                self._rollback(buf)
+                timing = (time.perf_counter() - t0,)
+        packed = buf.packed[:n].tolist()  # the step's one device -> host copy
+        results = []
+        D = self.D
+        for i, s in enumerate(seqs):
+            row = packed[i]
+            a, bonus = row[0], row[1]
+            path_tokens = row[2 : 2 + D + 1]
+            has_child = row[3 + D : 3 + 2 * D + 1]
+            ranks = row[4 + 2 * D : 4 + 3 * D + 1]
+            results.append(
+                GreedyStepResult(
+                    accepted_tokens=path_tokens[1 : a + 1],
+                    bonus_token=bonus,
+                    has_children=[bool(h) for h in has_child[: a + 1]],
+                    child_ranks=ranks[1 : a + 1],
+                )
+            )
+            # MTP state for the next step (views of the step's output buffers, cloned once).
+            for d in range(1, self.k + 1):
+                s.mtp_committed[d - 1] += c[i]
+            s.pending_hidden[0] = buf.next_rows[i, : a + 1].clone()
+            s.pending_start[0] = L[i]
+            for d in range(1, self.k):
+                s.pending_hidden[d] = buf.next_carry[i, d - 1 : d].clone()
+                s.pending_start[d] = L[i] - d
+            s.num_committed = L[i] + a + 1
+        return results, timing
+
+    # ------------------------------------------------------------------ device program
+    def _slots(self, tables: Tensor, positions: Tensor) -> Tensor:
+        """Flat cache slots of ``positions`` [B, R] through block ``tables`` [B, max_blocks]."""
+        bs = self.block_size
+        block = tables.long().gather(1, positions // bs)
+        return block * bs + positions % bs
+
+    def _mtp_forward(
+        self,
+        buf: _Buffers,
+        module: int,
+        ctx: Tensor,  # [B] committed entries of the module's cache
+        catch: tuple[Tensor, Tensor] | None,  # (tokens [B, C], prev [B, C, H]) or None
+        front: tuple[Tensor, Tensor, Tensor] | None,  # (tokens [B, K], prev [B, K, H], rope pos [B])
+        band: int,
+    ) -> Tensor:  # [B, R, H]
+        B, C, K = buf.bucket, self.C, self.K
+        dev = self.device
+        parts_ids, parts_prev, parts_pos, parts_qctx = [], [], [], []
+        n_catch = C if catch is not None else 0
+        n_front = K if front is not None else 0
+        R = n_catch + n_front
+        r = torch.arange(R, device=dev)
+        valid_catch = torch.arange(C, device=dev)[None] < buf.c[:, None]  # [B, C]
+        if catch is not None:
+            tokens, prev = catch
+            j = torch.arange(C, device=dev)
+            parts_ids.append(tokens)
+            parts_prev.append(prev)
+            parts_pos.append(buf.L[:, None] - buf.c[:, None] + 1 + j)  # t + d
+            qctx = torch.minimum(ctx[:, None], ctx[:, None] + j - module + 2)
+            parts_qctx.append(torch.where(valid_catch, qctx, 0))
+        if front is not None:
+            tokens, prev, pos = front
+            parts_ids.append(tokens)
+            parts_prev.append(prev)
+            parts_pos.append(pos[:, None].expand(B, K))
+            parts_qctx.append(ctx[:, None].expand(B, K))
+        ids = torch.cat(parts_ids, 1)  # [B, R]
+        prev_h = torch.cat(parts_prev, 1)  # [B, R, H]
+        positions = torch.cat(parts_pos, 1)  # [B, R]
+        qctx = torch.cat(parts_qctx, 1)  # [B, R]
+        # New-row mask [B, R, R]: catch-up rows follow the band rule among valid rows; frontier
+        # rows see every valid catch-up row and themselves; padding rows only themselves.
+        diff = r[:, None] - r[None, :]
+        mask = (diff == 0).expand(B, R, R).clone()
+        if catch is not None:
+            vc = valid_catch
+            band_ok = (diff[:C, :C] >= band)[None] & vc[:, :, None]  # [B, C, C]
+            mask[:, :C, :C] |= band_ok
+            if front is not None:
+                mask[:, C:, :C] = vc[:, None, :].expand(B, K, C)
+        slots = self._slots(buf.tables, ctx[:, None] + r)  # [B, R]
+        batch = AttentionBatch(
+            positions=positions.reshape(-1),
+            slot_mapping=slots.reshape(-1),
+            block_tables=buf.tables,
+            ctx_lens=ctx.to(torch.int32),
+            query_start=(torch.arange(B + 1, device=dev) * R).to(torch.int32),
+            new_mask=mask.reshape(B * R, R),
+            query_ctx_lens=qctx.reshape(-1).to(torch.int32),
+        )
+        hidden = self.model.forward_mtp(
+            module, prev_h.reshape(B * R, -1), ids.reshape(-1), batch, self.pool.kv_cache
+        )
+        # Everything past the committed rows was a draft or padding: zero it now.
+        committed = r[None] < (buf.c[:, None] if catch is not None else 0)  # [B, R]
+        zero = torch.where(committed, self.trash_slot, slots).reshape(-1)
+        layer = self.pool.kv_cache[self.model.mtp_cache_layer(module)]
+        layer.view(-1, layer.shape[-1]).index_fill_(0, zero, 0)
+        return hidden.view(B, R, -1)
+
+    def _draft_verify_accept(self, buf: _Buffers) -> None:
+        B, C, K, D, N, k = buf.bucket, self.C, self.K, self.D, self.N, self.k
+        dev = self.device
+        L, c = buf.L, buf.c
+        last = (c - 1)[:, None, None].expand(B, 1, self.hidden_size)  # gather index of row c-1
+        cand_tok, cand_score, cand_parent = [], [], []
+        front: tuple[Tensor, Tensor, Tensor] | None = None
+        front_score = front_idx = None
+        prev_catch = buf.rows0
+        next_carry = []
+        for m in range(1, max(D, k) + 1):
+            module = min(m, k)
+            catch = (buf.tail, prev_catch) if m <= k else None
+            ctx = L - module - c + 1 if m <= k else L - k + 1
+            out = self._mtp_forward(
+                buf, module, ctx, catch, front if 2 <= m <= D else None, band=max(module - 1, 1)
+            )
+            if m <= k:
+                last_row = out[:, :C].gather(1, last)  # [B, 1, H] hidden at index L - m
+                if m < k:
+                    next_carry.append(last_row)
+                    prev_catch = torch.cat([buf.carry[:, m - 1 : m], out[:, : C - 1]], 1)
+            if m > D:
+                continue
+            if m == 1:
+                logp = torch.log_softmax(self.model.logits(last_row[:, 0]), -1)  # [B, V]
+                score, token = logp.topk(K, -1)  # [B, K]
+                cand_tok.append(token)
+                cand_score.append(score)
+                cand_parent.append(torch.full((B, K), -1, device=dev))
+                front_score, front_idx = score, torch.arange(K, device=dev).expand(B, K)
+                front_prev = last_row.expand(B, K, self.hidden_size)
+            else:
+                assert front_score is not None and front_idx is not None
+                front_out = out[:, -K:]  # [B, K, H] hidden of each frontier node
+                logp = torch.log_softmax(self.model.logits(front_out), -1)  # [B, K, V]
+                child_logp, child_tok = logp.topk(K, -1)  # [B, K, K]
+                child_score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
+                base = K + (m - 2) * K * K
+                cand_tok.append(child_tok.reshape(B, K * K))
+                cand_score.append(child_score)
+                cand_parent.append(front_idx[:, :, None].expand(B, K, K).reshape(B, K * K))
+                front_score, pick = child_score.topk(K, -1)  # [B, K]
+                token = child_tok.reshape(B, K * K).gather(1, pick)
+                front_idx = base + pick
+                front_prev = front_out.gather(1, (pick // K)[:, :, None].expand(B, K, self.hidden_size))
+            front = (token, front_prev, L + m)  # frontier rows sit at hidden index L - 1
+        tokens_all = torch.cat(cand_tok, 1)  # [B, T]
+        parents_all = torch.cat(cand_parent, 1)  # [B, T]
+        order = torch.arange(self.num_candidates, device=dev, dtype=torch.float64)
+        key = torch.cat(cand_score, 1).double() - order * TIE_BREAK
+        sel = key.topk(N, -1).indices.sort(-1).values  # [B, N] ancestor-closed, creation order
+        node_of = torch.zeros(B, self.num_candidates, dtype=torch.long, device=dev)
+        node_of.scatter_(1, sel, torch.arange(1, N + 1, device=dev).expand(B, N))
+        sel_parent = parents_all.gather(1, sel)
+        parent = torch.where(sel_parent < 0, 0, node_of.gather(1, sel_parent.clamp(min=0)))
+        zeros = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        P = torch.cat([zeros, parent], 1)  # [B, N+1], the root is its own parent
+        root = buf.tail.gather(1, (c - 1)[:, None])  # [B, 1]
+        tree_tok = torch.cat([root, tokens_all.gather(1, sel)], 1)  # [B, N+1]
+        depth = torch.cat([zeros, self.cand_depth[sel]], 1)  # [B, N+1]
+        # Ancestor-or-self mask [B, N+1, N+1].
+        cur = torch.arange(N + 1, device=dev).expand(B, N + 1)
+        anc = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)
+        for _ in range(D + 1):
+            anc.scatter_(2, cur[:, :, None], True)
+            cur = P.gather(1, cur)
+        # One target forward over every tree.
+        node = torch.arange(N + 1, device=dev)
+        tree_slots = self._slots(buf.tables, L[:, None] + node)  # [B, N+1]
+        batch = AttentionBatch(
+            positions=(L[:, None] + depth).reshape(-1),
+            slot_mapping=tree_slots.reshape(-1),
+            block_tables=buf.tables,
+            ctx_lens=L.to(torch.int32),
+            query_start=(torch.arange(B + 1, device=dev) * (N + 1)).to(torch.int32),
+            new_mask=anc.reshape(B * (N + 1), N + 1),
+        )
+        hidden = self.model.forward_target(tree_tok.reshape(-1), batch, self.pool.kv_cache)
+        hidden = hidden.view(B, N + 1, -1)
+        target = self.model.logits(hidden).argmax(-1)  # [B, N+1]
+        # Greedy acceptance: a node is accepted when its token is the target's argmax at its
+        # parent and its parent is accepted; siblings differ, so the accepted set is one path.
+        match = tree_tok == target.gather(1, P)
+        is_root = node[None] == 0
+        acc = is_root.expand(B, N + 1)
+        for _ in range(D):
+            acc = (match & acc.gather(1, P)) | is_root
+        best = torch.where(acc, depth, -1).argmax(-1, keepdim=True)  # [B, 1] deepest accepted
+        a = depth.gather(1, best)  # [B, 1] accepted drafts
+        up = [best]
+        for _ in range(D):
+            up.append(P.gather(1, up[-1]))
+        chain = torch.cat(up, 1)  # [B, D+1] best, parent, grandparent, ...
+        j = torch.arange(D + 1, device=dev)
+        path = chain.gather(1, (a - j).clamp(min=0))  # [B, D+1] root .. best, then repeats
+        on_path = j[None] <= a  # [B, D+1]
+        bonus = target.gather(1, best)
+        has_child = (P[:, None, 1:] == path[:, :, None]).any(-1)  # [B, D+1]
+        path_parent = P.gather(1, path)
+        rank = (
+            (P[:, None, :] == path_parent[:, :, None]) & (node < path[:, :, None]) & (node >= 1)
+        ).sum(-1)  # [B, D+1] sibling rank (siblings are in score order)
+        buf.packed.copy_(
+            torch.cat([a, bonus, tree_tok.gather(1, path), has_child.long(), rank.long()], 1)
+        )
+        # Next step's module-1 inputs: the verify hidden states of the accepted path.
+        buf.next_rows.copy_(hidden.gather(1, path[:, :, None].expand(B, C, self.hidden_size)))
+        if next_carry:
+            buf.next_carry.copy_(torch.cat(next_carry, 1))
+        # Rollback indices: accepted path -> contiguous slots L..L+a, everything else zeroed.
+        buf.src_slots.copy_(tree_slots.gather(1, path).reshape(-1))
+        buf.dst_slots.copy_(tree_slots[:, :C].reshape(-1))
+        buf.keep.copy_(on_path.reshape(-1))
+        buf.reject_slots.copy_(tree_slots[:, C:].reshape(-1))
+
+    def _rollback(self, buf: _Buffers) -> None:
+        """Move accepted target KV to contiguous slots, zero rejected slots and the scratch."""
+        main = self.pool.kv_cache[: self.num_main_layers]
+        flat = main.view(main.shape[0], -1, main.shape[-1])  # [layers, slots, latent]
+        moved = flat.index_select(1, buf.src_slots) * buf.keep[None, :, None]  # zero off-path
+        flat.index_copy_(1, buf.dst_slots, moved)
+        flat.index_fill_(1, buf.reject_slots, 0)
+        self._zero_scratch()
+
+    def _zero_scratch(self) -> None:
+        self.pool.kv_cache.index_fill_(1, self.scratch_index, 0)
+
+    # ------------------------------------------------------------------ capture
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        for bucket in sorted(self._buffers, reverse=True):  # largest first: smaller reuse memory
+            buf = self._buffers[bucket]
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up (Triton compile/autotune) outside the capture
+                    self._draft_verify_accept(buf)
+                    self._rollback(buf)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self._draft_verify_accept(buf)
+            rollback = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(rollback, pool=mempool):
+                self._rollback(buf)
+            buf.graph, buf.rollback_graph = graph, rollback
