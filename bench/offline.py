@@ -193,8 +193,8 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     rates = measure_rates(s.device) if s.device.startswith("cuda") else None
     dtype_bytes = parse_dtype(s.dtype).itemsize
     records: list[dict[str, Any]] = []
-    # batch size outer: a time limit then cuts the largest batches, each with all temperatures
-    points = [(t, b) for b in s.batch_sizes for t in s.temperatures]
+    # All batch sizes of one temperature first: a time limit then cuts the sampled tail.
+    points = [(t, b) for t in s.temperatures for b in s.batch_sizes]
     bar = tqdm(total=len(points) * s.repeats, disable=not progress, desc="offline", unit="round")
     deadline = None if s.time_limit_s is None else t_start + s.time_limit_s
     for temperature, bs in points:

@@ -384,6 +384,14 @@ class LLMEngine:
             for (seq, _), row in zip(finishing, logits, strict=True):
                 token = self._sample_one(seq, row)
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
+            if self.graphed_tree is not None and self.drafter is not None:
+                ready = [
+                    seq for seq, _ in finishing
+                    if seq.status is SeqStatus.RUNNING and seq.sampling.greedy
+                    and not seq.sampling.has_penalties
+                ]  # fmt: skip
+                if ready:
+                    self.drafter.catch_up(ready)
 
     # ------------------------------------------------------------------ decode
     def _autoregressive_step(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:

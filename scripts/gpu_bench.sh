@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmark in one command (an H200, within 9 minutes of wall time):
+# GPU benchmark in one command (an H200, within 10 minutes of wall time):
 #
 #   scripts/gpu_bench.sh RESULTS_DIR [MODEL_DIR]
 #
@@ -7,9 +7,11 @@
 # 2. runs `mtpserve bench offline` on CUDA in bf16 (greedy check in float32 first), with a time
 #    limit so the whole script ends in time: points not started in time are listed as skipped;
 # 3. writes into RESULTS_DIR: <device>-<date>.json, .md, a few PNGs (if matplotlib is
-#    installed; otherwise run `mtpserve bench report FILE.json` elsewhere) and gpu_bench.log.
+#    installed; otherwise run `mtpserve bench report FILE.json` elsewhere) and gpu_bench.log;
+# 4. with the time left (until END_S, default 585 s), validates the simulator's predictions on
+#    the same model (scripts/validate_simulator.py -> simulator-validation-h200.json).
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
-# 200), DEADLINE_S (default 530: seconds from start by which the sweep must end),
+# 180), DEADLINE_S (default 480: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
 # BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep),
 # MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
@@ -20,9 +22,10 @@ WORK=${WORK:-/tmp/mtpserve-bench}
 MODEL=${2:-$WORK/gpu}
 PY=${PYTHON:-python3}
 START=$(date +%s)
-DEADLINE_S=${DEADLINE_S:-530}
+DEADLINE_S=${DEADLINE_S:-480}
+END_S=${END_S:-585}
 mkdir -p "$OUT" "$WORK"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true PYTHONPATH=${PYTHONPATH:-.}
 exec > >(tee -a "$OUT/gpu_bench.log") 2>&1
 
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "transformers", transformers.__version__)'
@@ -31,7 +34,7 @@ if [ ! -f "$MODEL/config.json" ]; then
     echo "== training the gpu preset into $MODEL"
     rm -rf "$MODEL" "$MODEL.work"
     "$PY" -m train --preset gpu --out "$MODEL" --work-dir "$MODEL.work" \
-        --time-budget-s "${TRAIN_BUDGET_S:-200}"
+        --time-budget-s "${TRAIN_BUDGET_S:-180}"
 fi
 ELAPSED=$(( $(date +%s) - START ))
 # The limit counts from the start of the sweep (model load and float32 check included); leave
@@ -47,5 +50,12 @@ echo "== benchmark (elapsed ${ELAPSED} s; sweep points start within ${LIMIT} s)"
     --tree-budgets "${TREE_BUDGETS:-8,32}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
+LEFT=$(( END_S - ($(date +%s) - START) ))
+if [ "$LEFT" -gt 40 ]; then
+    echo "== simulator validation (${LEFT} s left)"
+    timeout "$LEFT" "$PY" scripts/validate_simulator.py --model "$MODEL" --device cuda \
+        --dtype bfloat16 --prompts 4 --max-tokens 64 --out "$OUT/simulator-validation-h200.json" \
+        || echo "== simulator validation exited with status $?"
+fi
 echo "== done in $(( $(date +%s) - START )) s"
 ls -la "$OUT"

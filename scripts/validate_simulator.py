@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from engine import LLMEngine, SamplingParams, SpecConfig
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.simulator import AcceptanceStats, optimal_tree
 from engine.simulator.tree_shape import TreeShape
 from engine.simulator.validation import MeasuredRun, prediction_errors
@@ -41,22 +41,27 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", default="bench/results/simulator-validation-cpu.json")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
+    # Small engines: fewer CUDA-graph buckets to capture on GPU.
+    load = {"device": args.device, "dtype": args.dtype,
+            "engine_config": EngineConfig(max_batch_size=max(args.prompts, 1))}
 
-    probe = LLMEngine.from_pretrained(args.model, spec=SpecConfig(method="none"))
+    probe = LLMEngine.from_pretrained(args.model, spec=SpecConfig(method="none"), **load)
     prompts = heldout_prompts(args.model, probe.tokenizer, 2 * args.prompts, prompt_tokens=64)  # type: ignore[arg-type]
     calib, test = prompts[: args.prompts], prompts[args.prompts :]
-    report: dict[str, object] = {"model": args.model, "loadavg": os.getloadavg(), "runs": {}}
+    report: dict[str, object] = {"model": args.model, "device": args.device, "loadavg": os.getloadavg(), "runs": {}}
     for temperature in (0.0, 1.0):
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0)
         wide = LLMEngine.from_pretrained(
-            args.model, spec=SpecConfig(method="tree", topk=3, depth=6, num_draft_tokens=16)
+            args.model, spec=SpecConfig(method="tree", topk=3, depth=6, num_draft_tokens=16), **load
         )
         wide.generate(calib, sp)
         stats = AcceptanceStats.from_dict(wide.acceptance_snapshot())
         runs = []
         for name, spec, shape in SHAPES:
-            eng = LLMEngine.from_pretrained(args.model, spec=spec)
+            eng = LLMEngine.from_pretrained(args.model, spec=spec, **load)
             start = time.perf_counter()
             outs = eng.generate(test, sp)
             elapsed = time.perf_counter() - start

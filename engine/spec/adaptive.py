@@ -17,6 +17,8 @@ launches), so the controller also measures what each decode step really cost per
 with and without speculation, per batch-size bucket; once both are measured they overrule the
 plan's yes/no (still exploring the other choice one step in ``explore_every``). That is what keeps
 adaptive speculation at least as fast as autoregressive decoding where drafting does not pay.
+With the graphed greedy step (``engine.spec.graphed_tree``, GPU) the tree shape is the captured
+one, so for greedy batches the choice is between that tree and no speculation.
 """
 
 from __future__ import annotations
@@ -100,8 +102,12 @@ class AdaptiveController:
         planned = TreeBudget(
             topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget
         )
+        small = TreeBudget(topk=1, depth=2, num_draft_tokens=2)
+        if engine.graphed_tree is not None and not sampled:
+            # The graphed step serves one captured shape: the choice is that tree or none.
+            planned = small = self.max_budget
         if plan.budget == 0:
-            return TreeBudget(topk=1, depth=2, num_draft_tokens=2) if explore else no_spec
+            return small if explore else no_spec
         # The model omits host overhead; real step costs overrule it once both were measured.
         measured_ar = self._measured_says_ar(batch_size, sampled)
         if measured_ar is None:  # measure both choices first, alternating

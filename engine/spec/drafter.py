@@ -152,11 +152,34 @@ class MTPDrafter:
                 break
         return [self._finish_tree(d, budget) for d in drafts]
 
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Catch every module up to all but its newest committed row (after a prefill).
+
+        That leaves each sequence in the state a speculative step leaves behind (one row to go
+        per module), so its first decode step can already take the graphed path
+        (``engine.spec.graphed_tree``) instead of catching up the whole prompt on the host.
+        """
+        for depth in range(1, self.num_modules + 1):
+            work = [(seq, self._catch_up_rows(seq, depth, keep=1)) for seq in seqs]
+            ready = [(seq, spec) for seq, spec in work if spec is not None]
+            if ready:
+                self._run_module(
+                    depth,
+                    [spec[0] for _, spec in ready],
+                    [seq for seq, _ in ready],
+                    [spec[1] for _, spec in ready],
+                    [spec[2] for _, spec in ready],
+                    [[] for _ in ready],
+                )
+
     # ---- row construction ----
-    def _catch_up_rows(self, seq: Sequence, depth: int) -> tuple[SeqRows, int, int] | None:
-        """Module ``depth``'s committed rows not yet computed: (rows, first index, count)."""
+    def _catch_up_rows(
+        self, seq: Sequence, depth: int, keep: int = 0
+    ) -> tuple[SeqRows, int, int] | None:
+        """Module ``depth``'s committed rows not yet computed, but the newest ``keep``:
+        (rows, first index, count)."""
         k_idx = len(seq.tokens) - 1
-        start, prev = seq.take_hidden(depth - 1, upto=k_idx - depth)
+        start, prev = seq.take_hidden(depth - 1, upto=k_idx - depth - keep)
         ctx = seq.mtp_committed[depth - 1]
         if prev is None or prev.shape[0] == 0:
             return None

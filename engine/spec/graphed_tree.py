@@ -27,11 +27,11 @@ On CPU (``use_graphs=False``) the same code runs eagerly, which is how it is tes
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from engine.kv.block_pool import BlockOwner, BlockPool
@@ -230,8 +230,6 @@ class GraphedGreedyTree:
                 end.record()
                 timing = (start, end)
             else:
-                import time  # noqa: PLC0415
-
                 t0 = time.perf_counter()
                 self._rollback(buf)
                 timing = (time.perf_counter() - t0,)

@@ -149,13 +149,18 @@ def test_static_padded_forward_gives_the_same_tokens(small_vocab_dir: Path, meth
     static = eng.static_forward
     assert static is not None
     calls = []
-    original = static.run
-    static.run = lambda ids, batch: calls.append(1) or original(ids, batch)  # type: ignore[method-assign]
+    # Greedy tree steps go through the graphed tree step, autoregressive ones through the
+    # static target forward: both pad to batch buckets.
+    runner = eng.graphed_tree if method == "tree" else static
+    assert runner is not None
+    original = runner.run
+    runner.run = lambda *a: calls.append(1) or original(*a)  # type: ignore[method-assign]
     outs = eng.generate(PROMPTS[:3], GREEDY)  # 3 sequences -> padded to the bucket of 4
     assert len(calls) > 5, "the static path should carry the decode steps"
     assert [o.token_ids for o in outs] == [b.token_ids for b in base[:3]]
-    assert eng.kv_blocks_used == len(eng.static_forward.scratch)
-    flat = eng.pool.kv_cache[:, eng.static_forward.scratch]
+    scratch = static.scratch + (eng.graphed_tree.scratch if eng.graphed_tree else [])
+    assert eng.kv_blocks_used == len(scratch)
+    flat = eng.pool.kv_cache[:, scratch]
     assert torch.count_nonzero(flat) == 0, "padding rows must leave nothing behind"
 
 

@@ -1,0 +1,132 @@
+"""The graphed greedy tree step (engine/spec/graphed_tree.py), run eagerly on CPU.
+
+It must give the autoregressive tokens, draft the same trees as the host-driven drafter (same
+MTP state, same acceptance), leave no draft KV behind, and hand sequences it cannot take
+(sampling, fresh prompts) to the host path in the same step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from tests.model_factory import build_checkpoint
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3, 1, 4, 0], [4] * 20, [5, 1, 2, 2, 3, 1]]
+STATIC = EngineConfig(cuda_graphs=True)  # the CUDA-graph code path, eager on CPU
+SPECS = [
+    SpecConfig(method="tree", topk=4, depth=6, num_draft_tokens=32),  # the GPU default shape
+    SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9),
+    SpecConfig(method="chain", num_draft_tokens=5),
+    SpecConfig(method="tree", topk=2, depth=2, num_draft_tokens=4, reuse_last_module=False),
+]
+
+
+@pytest.fixture(scope="module")
+def v6_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("g6"), seed=0, vocab_size=6,
+                            num_nextn_predict_layers=3)
+
+
+@pytest.fixture(scope="module")
+def v6_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("g6moe"), seed=5, vocab_size=6,
+                            n_routed_experts=4, first_k_dense_replace=1, q_lora_rank=16,
+                            num_nextn_predict_layers=2)
+
+
+def _engine(folder: Path, spec: SpecConfig, cfg: EngineConfig = STATIC) -> tuple[LLMEngine, list[int]]:
+    eng = LLMEngine.from_pretrained(folder, spec=spec, engine_config=cfg)
+    calls: list[int] = []
+    if eng.graphed_tree is not None:
+        run = eng.graphed_tree.run
+        eng.graphed_tree.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+    return eng, calls
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-{s.topk}-{s.depth}-{s.num_draft_tokens}")
+def test_graphed_greedy_equals_autoregressive(v6_dir: Path, spec: SpecConfig) -> None:
+    base = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(v6_dir, spec)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    # After the prefill catch-up every decode step of every sequence is graphed.
+    assert sum(calls) == sum(o.stats.num_steps for o in outs)
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0
+    assert eng.acceptance_snapshot()["num_steps"] == sum(calls)
+
+
+def test_graphed_moe_equals_autoregressive(v6_moe_dir: Path) -> None:
+    base = LLMEngine.from_pretrained(v6_moe_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(v6_moe_dir, SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12))
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert calls
+
+
+def test_graphed_drafts_the_host_drafters_trees(v6_dir: Path) -> None:
+    """Same full trees (no confidence cut) -> the same accepted tokens at every step."""
+    spec = SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12, min_path_prob=0.0)
+    host = LLMEngine.from_pretrained(v6_dir, spec=spec).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(v6_dir, spec)
+    graphed = eng.generate(PROMPTS, GREEDY)
+    assert calls
+    for h, g in zip(host, graphed, strict=True):
+        assert g.stats.num_steps == h.stats.num_steps
+        assert g.stats.accepted_per_position == h.stats.accepted_per_position
+
+
+def test_graphed_session_kv_equals_autoregressive_and_nothing_else_remains(v6_dir: Path) -> None:
+    """Committed target KV equals the AR run's; every slot past the committed entries is zero
+    in every layer (rejected drafts, frontier and padding rows leave nothing)."""
+    caches = []
+    for spec in (SpecConfig(method="none"), SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12)):
+        eng, _ = _engine(v6_dir, spec)
+        eng.open_session("s")
+        eng.add_request("r", [1, 2, 3, 4, 5, 0, 1], GREEDY, session_id="s")
+        while eng.has_unfinished_requests():
+            eng.step()
+        seq = eng._sessions["s"]
+        bs = eng.pool.block_size
+        flat = eng.pool.kv_cache.view(eng.pool.kv_cache.shape[0], -1, eng.pool.kv_cache.shape[-1])
+        slots = torch.tensor([seq.block_ids[p // bs] * bs + p % bs for p in range(len(seq.block_ids) * bs)])
+        main = eng.model_config.num_hidden_layers
+        committed = flat[:main, slots[: seq.num_committed]]
+        assert torch.count_nonzero(flat[:main, slots[seq.num_committed :]]) == 0
+        for d, done in enumerate(seq.mtp_committed):
+            assert torch.count_nonzero(flat[main + d, slots[done:]]) == 0, f"MTP module {d + 1}"
+        caches.append((seq.num_committed, committed))
+    (n_ar, ar), (n_tree, tree) = caches
+    assert n_ar == n_tree
+    torch.testing.assert_close(tree, ar, rtol=1e-4, atol=1e-5)
+
+
+def test_mixed_batch_greedy_graphed_sampled_on_host(v6_dir: Path) -> None:
+    spec = SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9)
+    base = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none")).generate(PROMPTS[:2], GREEDY)
+    eng, calls = _engine(v6_dir, spec)
+    sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    eng.add_request("g0", PROMPTS[0], GREEDY)
+    eng.add_request("s0", PROMPTS[2], sampled)
+    eng.add_request("g1", PROMPTS[1], GREEDY)
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert final["g0"].token_ids == base[0].token_ids
+    assert final["g1"].token_ids == base[1].token_ids
+    assert len(final["s0"].token_ids) == 40
+    assert calls and max(calls) == 2, "only the greedy sequences take the graphed step"
+    assert eng.kv_blocks_used == len(eng.static_forward.scratch) + len(eng.graphed_tree.scratch)  # type: ignore[union-attr]
+
+
+def test_graphed_step_is_off_without_static_path(v6_dir: Path) -> None:
+    eng = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="tree"))
+    assert eng.graphed_tree is None  # CPU default: host-driven path
+    eng = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none"), engine_config=STATIC)
+    assert eng.graphed_tree is None  # nothing to draft
