@@ -110,7 +110,7 @@ class LLMEngine:
         self.pool = BlockPool(
             cfg.num_layers_total, num_blocks, engine_config.block_size, cfg.latent_dim, dtype, device
         )
-        scratch = self.budget.num_draft_tokens + self.budget.topk + 2
+        scratch = self.budget.num_draft_tokens + self.budget.topk + 5  # + graphed catch-up slack
         self.scheduler = Scheduler(
             self.pool, engine_config.max_batch_size, engine_config.prefill_chunk_tokens, scratch
         )
@@ -138,6 +138,7 @@ class LLMEngine:
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget)
+        self._step_caught_up = False  # this step ran an eager MTP catch-up first
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: list[ZeroEvent] = []
@@ -327,6 +328,7 @@ class LLMEngine:
         if plan.prefill:
             self._prefill(plan.prefill, outputs)
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
+        self._step_caught_up = False
         if decode:
             budget = self._choose_budget(decode)
             start, before = time.perf_counter(), len(outputs)
@@ -338,7 +340,7 @@ class LLMEngine:
                     self._graphed_step(graphed, outputs)
             else:
                 self._autoregressive_step(decode, outputs)
-            if self.adaptive is not None:
+            if self.adaptive is not None and not self._step_caught_up:  # only steady steps
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 emitted = sum(len(o.new_token_ids) for o in outputs[before:])
@@ -476,6 +478,15 @@ class LLMEngine:
         fast = self.graphed_tree
         if fast is None or budget != fast.budget:
             return [], seqs
+        lagging = [
+            s for s in seqs
+            if s.sampling.greedy and not s.sampling.has_penalties and not fast.eligible(s)
+        ]  # fmt: skip
+        if lagging and self.drafter is not None:
+            # MTP modules behind (autoregressive steps in between, a host step that stopped
+            # early): catch them up eagerly, then the graphed step can take these sequences.
+            self.drafter.catch_up(lagging)
+            self._step_caught_up = True
         graphed = [s for s in seqs if fast.eligible(s)][: fast.max_batch]
         chosen = {id(s) for s in graphed}
         return graphed, [s for s in seqs if id(s) not in chosen]

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 PRIOR = AcceptanceStats.chain([0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
 MIN_STEPS_FOR_LIVE_STATS = 32
 REPLAN_EVERY_STEPS = 256
+EXPLORE_RUN = 3  # graphed path: speculative steps per exploration (the first one is not measured)
 
 
 class AdaptiveController:
@@ -49,6 +50,7 @@ class AdaptiveController:
         self._planner: SpeculationPlanner | None = None
         self._planned_at_steps = -REPLAN_EVERY_STEPS
         self._calls = 0
+        self._explore_left = 0
         # (log2 batch bucket, batch samples, speculated) -> (EWMA s per emitted token, count)
         self._measured: dict[tuple[int, bool, bool], tuple[float, int]] = {}
 
@@ -86,7 +88,9 @@ class AdaptiveController:
 
     def choose(self, engine: LLMEngine, batch_size: int, sampled: bool = False) -> TreeBudget:
         self._calls += 1
-        steps = engine.acceptance.num_steps
+        # Re-plan every REPLAN_EVERY_STEPS decode steps (not sequence-steps: at batch 64 the
+        # acceptance counter advances 64 per step, and planning costs milliseconds).
+        steps = self._calls
         if self._planner is None or steps - self._planned_at_steps >= REPLAN_EVERY_STEPS:
             self._planner = SpeculationPlanner(
                 self._stats(engine),
@@ -97,23 +101,30 @@ class AdaptiveController:
             )
             self._planned_at_steps = steps
         plan = self._planner.plan(batch_size)
-        explore = self._calls % self.explore_every == 0
+        explore = starts_run = self._calls % self.explore_every == 0
+        if self._explore_left > 0:  # the rest of an exploring run of speculative steps
+            self._explore_left -= 1
+            explore = True
         no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
         planned = TreeBudget(
             topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget
         )
         small = TreeBudget(topk=1, depth=2, num_draft_tokens=2)
         if engine.graphed_tree is not None and not sampled:
-            # The graphed step serves one captured shape: the choice is that tree or none.
+            # The graphed step serves one captured shape: the choice is that tree or none. Its
+            # first step after autoregressive ones catches the MTP modules up eagerly and is
+            # not measured, so exploring takes a short run of steps.
             planned = small = self.max_budget
-        if plan.budget == 0:
-            return small if explore else no_spec
         # The model omits host overhead; real step costs overrule it once both were measured.
         measured_ar = self._measured_says_ar(batch_size, sampled)
+        if plan.budget == 0 or measured_ar:
+            if starts_run and engine.graphed_tree is not None:
+                self._explore_left = EXPLORE_RUN - 1
+            if plan.budget == 0:
+                return small if explore else no_spec
+            return planned if explore else no_spec
         if measured_ar is None:  # measure both choices first, alternating
             return planned if self._calls % 2 else no_spec
-        if measured_ar:
-            return planned if explore else no_spec
         return no_spec if explore else planned
 
 

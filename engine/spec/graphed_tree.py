@@ -8,9 +8,11 @@ acceptance, KV compaction with the rejected slots zeroed — entirely on the dev
 that depend only on the batch bucket. So each step is two CUDA-graph replays (draft + verify +
 accept, then rollback) and one small device-to-host copy of the accepted tokens.
 
-Static shapes (per sequence; K = topk, D = depth, N = tree nodes, k = MTP modules, C = D + 1):
+Static shapes (per sequence; K = topk, D = depth, N = tree nodes, k = MTP modules, P = D + 1
+nodes on an accepted path, C = P + CATCH_UP_SLACK catch-up rows):
 
-- module d <= k gets C catch-up rows (the first ``c`` valid: tokens accepted last step, 1 <= c <= C)
+- module d <= k gets C catch-up rows (the first ``c`` valid: the tokens committed since its last
+  step, 1 <= c <= C; the slack lets an autoregressive step or two come in between)
   plus K frontier rows at depths 2..D; padding rows write past the committed entries and are
   zeroed right after the forward, exactly like the frontier rows (drafts leave nothing behind);
 - depths beyond k reuse module k with K frontier rows;
@@ -42,6 +44,7 @@ from engine.spec.drafter import TreeBudget
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
+CATCH_UP_SLACK = 2  # extra catch-up rows: an AR step or two between speculative steps is fine
 
 
 @dataclass
@@ -67,13 +70,14 @@ class _Buffers:
         self.rows0 = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev)  # module 1 inputs
         self.carry = torch.zeros(bucket, max(g.k - 1, 0), H, dtype=g.dtype, device=dev)
         # Outputs.
-        self.packed = torch.zeros(bucket, 2 + 3 * (D + 1), dtype=torch.long, device=dev)
-        self.next_rows = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev)
+        P = D + 1
+        self.packed = torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, device=dev)
+        self.next_rows = torch.zeros(bucket, P, H, dtype=g.dtype, device=dev)
         self.next_carry = torch.zeros_like(self.carry)
-        self.src_slots = torch.zeros(bucket * C, dtype=torch.long, device=dev)
-        self.dst_slots = torch.zeros(bucket * C, dtype=torch.long, device=dev)
-        self.keep = torch.zeros(bucket * C, dtype=torch.bool, device=dev)
-        self.reject_slots = torch.zeros(bucket * (g.N + 1 - C), dtype=torch.long, device=dev)
+        self.src_slots = torch.zeros(bucket * P, dtype=torch.long, device=dev)
+        self.dst_slots = torch.zeros(bucket * P, dtype=torch.long, device=dev)
+        self.keep = torch.zeros(bucket * P, dtype=torch.bool, device=dev)
+        self.reject_slots = torch.zeros(bucket * (g.N + 1 - P), dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.rollback_graph: torch.cuda.CUDAGraph | None = None
 
@@ -108,7 +112,7 @@ class GraphedGreedyTree:
         self.D = budget.depth if reuse_last_module else min(budget.depth, self.k)
         self.num_candidates = self.K + (self.D - 1) * self.K * self.K
         self.N = min(budget.num_draft_tokens, self.num_candidates)
-        self.C = self.D + 1
+        self.C = self.D + 1 + CATCH_UP_SLACK
         if self.N < self.D:
             raise ValueError("num_draft_tokens must be at least the depth for the graphed tree")
         self.budget = budget
@@ -196,16 +200,19 @@ class GraphedGreedyTree:
         C = self.C
         L = [s.num_committed for s in seqs]
         c = [Li - s.mtp_committed[0] for Li, s in zip(L, seqs, strict=True)]
-        tail = torch.zeros(n, C, dtype=torch.long)
-        tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tail[i, : c[i]] = torch.tensor(s.tokens[L[i] - c[i] + 1 : L[i] + 1])
-            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        width = max(len(s.block_ids) for s in seqs)
+        # One host tensor per input; table columns past a sequence's own blocks are never read.
+        tail = torch.tensor(
+            [s.tokens[Li - ci + 1 : Li + 1] + [0] * (C - ci) for s, Li, ci in zip(seqs, L, c, strict=True)]
+        )  # [n, C]
+        tables = torch.tensor([s.block_ids + [-1] * (width - len(s.block_ids)) for s in seqs],
+                              dtype=torch.int32)  # [n, width]
         buf.tail[:n].copy_(tail)
-        buf.tables[:n].copy_(tables)
+        buf.tables[:n, :width].copy_(tables)
         buf.L[:n].copy_(torch.tensor(L))
         buf.c[:n].copy_(torch.tensor(c))
-        buf.set_padding(n, self)
+        if n < buf.bucket:
+            buf.set_padding(n, self)
         rows0 = torch.nn.utils.rnn.pad_sequence(
             [s.pending_hidden[0] for s in seqs], batch_first=True  # type: ignore[misc]
         )  # [n, max c, H]
@@ -233,6 +240,9 @@ class GraphedGreedyTree:
                 t0 = time.perf_counter()
                 self._rollback(buf)
                 timing = (time.perf_counter() - t0,)
+        # The static outputs are overwritten by the next replay: copy them out, once.
+        next_rows = buf.next_rows[:n].clone()  # [n, P, H]
+        next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
         packed = buf.packed[:n].tolist()  # the step's one device -> host copy
         results = []
         D = self.D
@@ -250,13 +260,13 @@ class GraphedGreedyTree:
                     child_ranks=ranks[1 : a + 1],
                 )
             )
-            # MTP state for the next step (views of the step's output buffers, cloned once).
+            # MTP state for the next step.
             for d in range(1, self.k + 1):
                 s.mtp_committed[d - 1] += c[i]
-            s.pending_hidden[0] = buf.next_rows[i, : a + 1].clone()
+            s.pending_hidden[0] = next_rows[i, : a + 1]
             s.pending_start[0] = L[i]
             for d in range(1, self.k):
-                s.pending_hidden[d] = buf.next_carry[i, d - 1 : d].clone()
+                s.pending_hidden[d] = next_carry[i, d - 1 : d]
                 s.pending_start[d] = L[i] - d
             s.num_committed = L[i] + a + 1
         return results, timing
@@ -440,14 +450,14 @@ class GraphedGreedyTree:
             torch.cat([a, bonus, tree_tok.gather(1, path), has_child.long(), rank.long()], 1)
         )
         # Next step's module-1 inputs: the verify hidden states of the accepted path.
-        buf.next_rows.copy_(hidden.gather(1, path[:, :, None].expand(B, C, self.hidden_size)))
+        buf.next_rows.copy_(hidden.gather(1, path[:, :, None].expand(B, D + 1, self.hidden_size)))
         if next_carry:
             buf.next_carry.copy_(torch.cat(next_carry, 1))
         # Rollback indices: accepted path -> contiguous slots L..L+a, everything else zeroed.
         buf.src_slots.copy_(tree_slots.gather(1, path).reshape(-1))
-        buf.dst_slots.copy_(tree_slots[:, :C].reshape(-1))
+        buf.dst_slots.copy_(tree_slots[:, : D + 1].reshape(-1))
         buf.keep.copy_(on_path.reshape(-1))
-        buf.reject_slots.copy_(tree_slots[:, C:].reshape(-1))
+        buf.reject_slots.copy_(tree_slots[:, D + 1 :].reshape(-1))
 
     def _rollback(self, buf: _Buffers) -> None:
         """Move accepted target KV to contiguous slots, zero rejected slots and the scratch."""

@@ -130,3 +130,23 @@ def test_graphed_step_is_off_without_static_path(v6_dir: Path) -> None:
     assert eng.graphed_tree is None  # CPU default: host-driven path
     eng = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none"), engine_config=STATIC)
     assert eng.graphed_tree is None  # nothing to draft
+
+
+def test_autoregressive_steps_in_between_keep_the_graphed_path_exact(v6_dir: Path) -> None:
+    """Adaptive speculation mixes AR and graphed steps: one or two AR steps fit the catch-up
+    slack, longer AR runs get an eager MTP catch-up first; tokens stay the AR tokens."""
+    from engine.spec.drafter import TreeBudget
+
+    base = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(v6_dir, SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9))
+    pattern = [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # 1 = speculate
+    no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
+    step = iter(range(10**6))
+    eng._choose_budget = lambda seqs: eng.budget if pattern[next(step) % len(pattern)] else no_spec  # type: ignore[method-assign]
+    caught_up = []
+    catch_up = eng.drafter.catch_up  # type: ignore[union-attr]
+    eng.drafter.catch_up = lambda seqs: caught_up.append(len(seqs)) or catch_up(seqs)  # type: ignore[union-attr,method-assign]
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert calls, "speculative steps should take the graphed path"
+    assert len(caught_up) > 1, "long AR runs need a catch-up before the graphed step"

@@ -1,0 +1,103 @@
+"""Where a graphed speculative step spends its time on the GPU (a diagnosis tool).
+
+Times, for one model in bf16 at a few batch sizes: the replay of the draft+verify+accept graph,
+the rollback graph, a whole engine step on the graphed path (host work included), and the same
+for the CUDA-graph autoregressive step; then profiles one eager draft+verify+accept pass with
+torch.profiler and writes the top kernels. Output: OUT/gpu_profile.json and OUT/kernels.txt.
+
+    PYTHONPATH=. python scripts/gpu_profile.py OUT [--model models/demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from train.heldout import heldout_prompts
+
+
+def _event_ms(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _steady_step_ms(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> float:
+    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{time.time_ns()}-{i}", p, sp)
+    for _ in range(4):  # prefill + first steps
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    for rid in list(eng._requests):
+        eng.abort_request(rid)
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--model", default="models/demo")
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    cfg = EngineConfig(max_batch_size=max(batches), kv_memory_bytes=4 << 30)
+    report: dict[str, object] = {"model": args.model}
+    tree = LLMEngine.from_pretrained(args.model, device="cuda", dtype="bfloat16", spec=SpecConfig(method="tree"), engine_config=cfg)
+    ar = LLMEngine(tree.model, tree.tokenizer, tree.eos_token_ids, SpecConfig(method="none"), cfg, tree.device)
+    prompts = heldout_prompts(args.model, tree.tokenizer, 8, 64)  # type: ignore[arg-type]
+    g = tree.graphed_tree
+    assert g is not None and g.use_graphs, g.capture_error if g else "no graphed tree"
+    st = ar.static_forward
+    assert st is not None
+    for b in batches:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+        buf = g._buffers[g._bucket(b)]
+        ar_buf = st._static[(st._bucket(b), 1)]
+        row = {
+            "tree_graph_ms": _event_ms(buf.graph.replay),  # type: ignore[union-attr]
+            "rollback_graph_ms": _event_ms(buf.rollback_graph.replay),  # type: ignore[union-attr]
+            "ar_graph_ms": _event_ms(ar_buf.graph.replay),  # type: ignore[union-attr]
+            "tree_step_ms": _steady_step_ms(tree, batch_prompts),
+            "ar_step_ms": _steady_step_ms(ar, batch_prompts),
+        }
+        report[f"b{b}"] = row
+        print(b, row, flush=True)
+    # Eager profile of one draft+verify+accept pass at batch 1.
+    buf = g._buffers[1]
+    from torch.profiler import ProfilerActivity, profile
+
+    g._draft_verify_accept(buf)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        g._draft_verify_accept(buf)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    report["eager_kernels_b1"] = len(events)
+    report["eager_kernel_time_ms_b1"] = sum(e.device_time for e in events) / 1e3
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    (out / "kernels.txt").write_text(table)
+    (out / "gpu_profile.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
