@@ -11,7 +11,7 @@
 # 4. with the time left (until END_S, default 585 s), validates the simulator's predictions on
 #    the same model (scripts/validate_simulator.py -> simulator-validation-h200.json).
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
-# 180), DEADLINE_S (default 480: seconds from start by which the sweep must end),
+# 180), DEADLINE_S (default 540: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
 # BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep),
 # MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
@@ -22,7 +22,7 @@ WORK=${WORK:-/tmp/mtpserve-bench}
 MODEL=${2:-$WORK/gpu}
 PY=${PYTHON:-python3}
 START=$(date +%s)
-DEADLINE_S=${DEADLINE_S:-480}
+DEADLINE_S=${DEADLINE_S:-540}
 END_S=${END_S:-585}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true PYTHONPATH=${PYTHONPATH:-.}
