@@ -331,6 +331,8 @@ class LLMEngine:
         self._step_caught_up = False
         if decode:
             budget = self._choose_budget(decode)
+            if self.adaptive is not None and plan.prefill and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # time the decode work alone
             start, before = time.perf_counter(), len(outputs)
             if budget.speculates:
                 graphed, host = self._split_graphed(decode, budget)
@@ -383,8 +385,8 @@ class LLMEngine:
                 finishing.append((seq, h[-1]))
         if finishing:
             logits = self.model.logits(torch.stack([h for _, h in finishing]))  # [F, V]
-            for (seq, _), row in zip(finishing, logits, strict=True):
-                token = self._sample_one(seq, row)
+            tokens = self._sample_rows([seq for seq, _ in finishing], logits)
+            for (seq, _), token in zip(finishing, tokens, strict=True):
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
             if self.graphed_tree is not None and self.drafter is not None:
                 ready = [
@@ -404,12 +406,13 @@ class LLMEngine:
         ids, batch = build_batch(rows, self.pool.block_size, self.device)
         hidden = self._forward_target(ids, batch)
         logits = self.model.logits(hidden)
+        tokens = self._sample_rows(seqs, logits)
         for i, seq in enumerate(seqs):
             if self.drafter is not None:
                 seq.push_hidden(0, seq.num_committed, hidden[i : i + 1])
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
-            self._append_tokens(seq, [self._sample_one(seq, logits[i])], outputs, drafted=0, accepted=0)
+            self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0)
 
     def _speculative_step(
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
@@ -560,6 +563,14 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ tokens and finishing
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """One token per row of ``logits`` [B, V]: plain greedy rows in one device read."""
+        plain = [s.sampling.greedy and not s.sampling.has_penalties for s in seqs]
+        greedy = logits.argmax(dim=-1).tolist() if any(plain) else []
+        return [
+            greedy[i] if plain[i] else self._sample_one(seq, logits[i]) for i, seq in enumerate(seqs)
+        ]
+
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         params = seq.sampling
         if params.has_penalties:

@@ -53,6 +53,9 @@ class AdaptiveController:
         self._explore_left = 0
         # (log2 batch bucket, batch samples, speculated) -> (EWMA s per emitted token, count)
         self._measured: dict[tuple[int, bool, bool], tuple[float, int]] = {}
+        # (log2 batch bucket, batch samples, speculated) -> EWMA s per step
+        self._step_cost: dict[tuple[int, bool, bool], float] = {}
+        self._since_explore = 0
 
     def observe(
         self, batch_size: int, speculated: bool, seconds: float, tokens: int, sampled: bool = False
@@ -63,7 +66,21 @@ class AdaptiveController:
         key = (batch_size.bit_length(), sampled, speculated)
         per_token = seconds / tokens
         old, count = self._measured.get(key, (per_token, 0))
-        self._measured[key] = (old + (per_token - old) * max(0.2, 1 / (count + 1)), count + 1)
+        rate = max(0.2, 1 / (count + 1))
+        self._measured[key] = (old + (per_token - old) * rate, count + 1)
+        step = self._step_cost.get(key, seconds)
+        self._step_cost[key] = step + (seconds - step) * rate
+
+    def _explore_interval(self, batch_size: int, sampled: bool) -> int:
+        """Steps between explorations of speculation while AR is measured faster: the costlier
+        a speculative step is against an AR step, the rarer, so exploring stays ~1/explore_every
+        of the time (sampled trees on the host path can cost tens of AR steps)."""
+        bucket = batch_size.bit_length()
+        spec = self._step_cost.get((bucket, sampled, True))
+        ar = self._step_cost.get((bucket, sampled, False))
+        if spec is None or ar is None or ar <= 0:
+            return self.explore_every
+        return int(self.explore_every * max(1.0, spec / ar) * 4)
 
     def _measured_says_ar(self, batch_size: int, sampled: bool) -> bool | None:
         """Whether measured steps favour AR at this batch size (the nearest measured bucket
@@ -101,31 +118,36 @@ class AdaptiveController:
             )
             self._planned_at_steps = steps
         plan = self._planner.plan(batch_size)
-        explore = starts_run = self._calls % self.explore_every == 0
-        if self._explore_left > 0:  # the rest of an exploring run of speculative steps
+        in_run = self._explore_left > 0  # the rest of an exploring run of speculative steps
+        if in_run:
             self._explore_left -= 1
-            explore = True
+        periodic = self._calls % self.explore_every == 0
         no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
         planned = TreeBudget(
             topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget
         )
         small = TreeBudget(topk=1, depth=2, num_draft_tokens=2)
-        if engine.graphed_tree is not None and not sampled:
+        graphed = engine.graphed_tree is not None and not sampled
+        if graphed:
             # The graphed step serves one captured shape: the choice is that tree or none. Its
-            # first step after autoregressive ones catches the MTP modules up eagerly and is
-            # not measured, so exploring takes a short run of steps.
+            # first step after a run of AR steps catches the MTP modules up eagerly and is not
+            # measured, so exploring takes a short run of steps.
             planned = small = self.max_budget
         # The model omits host overhead; real step costs overrule it once both were measured.
         measured_ar = self._measured_says_ar(batch_size, sampled)
         if plan.budget == 0 or measured_ar:
-            if starts_run and engine.graphed_tree is not None:
-                self._explore_left = EXPLORE_RUN - 1
-            if plan.budget == 0:
-                return small if explore else no_spec
-            return planned if explore else no_spec
+            self._since_explore += 1
+            due = self._since_explore >= self._explore_interval(batch_size, sampled)
+            if due:
+                self._since_explore = 0
+                if graphed:
+                    self._explore_left = EXPLORE_RUN - 1
+            if not (due or in_run):
+                return no_spec
+            return small if plan.budget == 0 else planned
         if measured_ar is None:  # measure both choices first, alternating
             return planned if self._calls % 2 else no_spec
-        return no_spec if explore else planned
+        return no_spec if periodic else planned
 
 
 def _grid(device: torch.device, max_batch: int, max_tokens: int) -> list[tuple[int, int]]:

@@ -183,3 +183,20 @@ def test_adaptive_measured_costs_overrule_the_plan(small_vocab_dir: Path) -> Non
         controller.observe(4, True, seconds=0.01, tokens=8)
     controller._calls = 0
     assert all(controller.choose(eng, 4).speculates for _ in range(controller.explore_every - 1))
+
+
+def test_adaptive_explores_costly_speculation_rarely(small_vocab_dir: Path) -> None:
+    """When a speculative step costs 30 AR steps and AR is faster per token, exploring it stays
+    a small share of the time (it was one step in 16, which doubled the cost)."""
+    from engine.simulator import LatencyModel
+
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    controller = eng.adaptive
+    assert controller is not None
+    controller.latency = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
+    controller._planner = None
+    for _ in range(5):
+        controller.observe(4, True, seconds=0.30, tokens=16, sampled=True)  # 75 ms per token
+        controller.observe(4, False, seconds=0.01, tokens=4, sampled=True)  # 2.5 ms per token
+    choices = [controller.choose(eng, 4, sampled=True).speculates for _ in range(2000)]
+    assert 0 < sum(choices) <= 2
