@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 PRIOR = AcceptanceStats.chain([0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
 MIN_STEPS_FOR_LIVE_STATS = 32
-REPLAN_EVERY_STEPS = 256
+REPLAN_MAX_RECORDS = 16384
 EXPLORE_RUN = 3  # graphed path: speculative steps per exploration (the first one is not measured)
 
 
@@ -48,7 +48,7 @@ class AdaptiveController:
         self.explore_every = explore_every
         self.latency = calibrate_latency(engine, max_budget)
         self._planner: SpeculationPlanner | None = None
-        self._planned_at_steps = -REPLAN_EVERY_STEPS
+        self._planned_at_steps = 0
         self._calls = 0
         self._explore_left = 0
         # (log2 batch bucket, batch samples, speculated) -> (EWMA s per emitted token, count)
@@ -105,10 +105,11 @@ class AdaptiveController:
 
     def choose(self, engine: LLMEngine, batch_size: int, sampled: bool = False) -> TreeBudget:
         self._calls += 1
-        # Re-plan every REPLAN_EVERY_STEPS decode steps (not sequence-steps: at batch 64 the
-        # acceptance counter advances 64 per step, and planning costs milliseconds).
-        steps = self._calls
-        if self._planner is None or steps - self._planned_at_steps >= REPLAN_EVERY_STEPS:
+        # Re-plan as the acceptance statistics grow: at 32, 64, 128, ... verified sequence-steps,
+        # then every REPLAN_MAX_RECORDS (planning costs milliseconds; steps cost less).
+        steps = engine.acceptance.num_steps
+        next_plan = min(2 * self._planned_at_steps, self._planned_at_steps + REPLAN_MAX_RECORDS)
+        if self._planner is None or steps >= max(next_plan, MIN_STEPS_FOR_LIVE_STATS):
             self._planner = SpeculationPlanner(
                 self._stats(engine),
                 self.latency,
@@ -117,11 +118,14 @@ class AdaptiveController:
                 max_width=self.max_budget.topk,
             )
             self._planned_at_steps = steps
-        plan = self._planner.plan(batch_size)
+        # Plans per power-of-two batch bucket: a shrinking batch does not re-plan every step.
+        plan = self._planner.plan(1 << (batch_size - 1).bit_length())
         in_run = self._explore_left > 0  # the rest of an exploring run of speculative steps
         if in_run:
             self._explore_left -= 1
-        periodic = self._calls % self.explore_every == 0
+        # While speculation wins, an AR step now and then checks it still does (AR steps are
+        # cheap to try, so the check is rare).
+        periodic = self._calls % (self.explore_every * 4) == 0
         no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
         planned = TreeBudget(
             topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget
