@@ -102,12 +102,13 @@ def _floor_fields(c: Contender, rec: dict[str, Any], base_model: Any, rates: dic
 
 def _time_point(
     s: OfflineSettings, contenders: list[Contender], skipped: dict[str, str],
-    prompts: list[list[int]], temperature: float, deadline: float | None, bar: tqdm,
+    pool: list[list[int]], bs: int, temperature: float, deadline: float | None, bar: tqdm,
 ) -> list[dict[str, Any]]:
     """Records of one (temperature, batch size) point: a warm-up round, then timed rounds in
-    which the modes alternate. Past ``deadline`` no further run starts; only complete rounds
-    count, and a mode left without one is recorded as skipped."""
-    bs = len(prompts)
+    which the modes alternate. Each timed round takes the next ``bs`` prompts of the pool (all
+    modes of a round the same ones), so small batches see several prompts, not one. Past
+    ``deadline`` no further run starts; only complete rounds count, and a mode left without
+    one is recorded as skipped."""
     late = f"time limit of {s.time_limit_s or 0:.0f} s reached"
     records: list[dict[str, Any]] = []
     runs: dict[str, list[BatchRun]] = {}
@@ -124,6 +125,7 @@ def _time_point(
         bar.set_postfix_str(f"T={temperature} bs={bs}" + (" warm-up" if rep < 0 else ""))
         if deadline is not None and time.monotonic() > deadline:
             break
+        prompts = batch_of(pool[(max(rep, 0) * bs) % len(pool) :] + pool, bs)
         for c in list(active):
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -198,7 +200,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     bar = tqdm(total=len(points) * s.repeats, disable=not progress, desc="offline", unit="round")
     deadline = None if s.time_limit_s is None else t_start + s.time_limit_s
     for temperature, bs in points:
-        recs = _time_point(s, contenders, skipped, batch_of(prompts, bs), temperature, deadline, bar)
+        recs = _time_point(s, contenders, skipped, prompts, bs, temperature, deadline, bar)
         for rec in recs:
             c = next((c for c in contenders if c.mode.label == rec["label"]), None)
             if rec["greedy_match"] is False and strict and c is not None and c.engine is not None:

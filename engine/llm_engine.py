@@ -138,7 +138,7 @@ class LLMEngine:
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget)
-        self._step_caught_up = False  # this step ran an eager MTP catch-up first
+        self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: list[ZeroEvent] = []
@@ -418,6 +418,9 @@ class LLMEngine:
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
     ) -> None:
         assert self.drafter is not None
+        steady = budget.depth + 3  # rows module 1 catches up after a speculative step, at most
+        if any(len(s.tokens) - 1 - s.mtp_committed[0] > steady for s in seqs):
+            self._step_caught_up = True  # catching up after AR steps: not a steady-state cost
         t0 = time.perf_counter()
         trees = self.drafter.draft(seqs, budget, self._sampled_shape(budget, seqs))
         t1 = time.perf_counter()

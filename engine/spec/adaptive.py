@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 PRIOR = AcceptanceStats.chain([0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
 MIN_STEPS_FOR_LIVE_STATS = 32
 REPLAN_MAX_RECORDS = 16384
-EXPLORE_RUN = 3  # graphed path: speculative steps per exploration (the first one is not measured)
+# Speculative steps per exploration: the first one after a run of AR steps catches the MTP modules
+# up (extra work that is not measured), the others show the steady cost.
+EXPLORE_RUN = 3
 
 
 class AdaptiveController:
@@ -55,6 +57,7 @@ class AdaptiveController:
         self._measured: dict[tuple[int, bool, bool], tuple[float, int]] = {}
         # (log2 batch bucket, batch samples, speculated) -> EWMA s per step
         self._step_cost: dict[tuple[int, bool, bool], float] = {}
+        self._tokens: dict[tuple[int, bool, bool], tuple[float, int]] = {}  # EWMA tokens per step
         self._since_explore = 0
 
     def observe(
@@ -64,12 +67,14 @@ class AdaptiveController:
         if tokens <= 0:
             return
         key = (batch_size.bit_length(), sampled, speculated)
-        per_token = seconds / tokens
-        old, count = self._measured.get(key, (per_token, 0))
+        # Cost per token = EWMA(seconds) / EWMA(tokens), a ratio of sums: averaging per-step
+        # ratios would over-weight the steps that happen to accept little.
+        old_tokens, count = self._tokens.get(key, (float(tokens), 0))
         rate = max(0.2, 1 / (count + 1))
-        self._measured[key] = (old + (per_token - old) * rate, count + 1)
         step = self._step_cost.get(key, seconds)
         self._step_cost[key] = step + (seconds - step) * rate
+        self._tokens[key] = (old_tokens + (tokens - old_tokens) * rate, count + 1)
+        self._measured[key] = (self._step_cost[key] / self._tokens[key][0], count + 1)
 
     def _explore_interval(self, batch_size: int, sampled: bool) -> int:
         """Steps between explorations of speculation while AR is measured faster: the costlier
@@ -110,6 +115,7 @@ class AdaptiveController:
         steps = engine.acceptance.num_steps
         next_plan = min(2 * self._planned_at_steps, self._planned_at_steps + REPLAN_MAX_RECORDS)
         if self._planner is None or steps >= max(next_plan, MIN_STEPS_FOR_LIVE_STATS):
+            replanning = self._planner is not None
             self._planner = SpeculationPlanner(
                 self._stats(engine),
                 self.latency,
@@ -117,6 +123,12 @@ class AdaptiveController:
                 max_depth=self.max_budget.depth,
                 max_width=self.max_budget.topk,
             )
+            if replanning:
+                # New statistics, new trees: what speculative steps cost so far was measured
+                # on other shapes, so measure them again (AR costs stay valid).
+                self._measured = {k: v for k, v in self._measured.items() if not k[2]}
+                self._step_cost = {k: v for k, v in self._step_cost.items() if not k[2]}
+                self._tokens = {k: v for k, v in self._tokens.items() if not k[2]}
             self._planned_at_steps = steps
         # Plans per power-of-two batch bucket: a shrinking batch does not re-plan every step.
         plan = self._planner.plan(1 << (batch_size - 1).bit_length())
@@ -128,14 +140,15 @@ class AdaptiveController:
         periodic = self._calls % (self.explore_every * 4) == 0
         no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
         planned = TreeBudget(
-            topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget
+            topk=max(plan.topk, 1),
+            depth=plan.max_depth,
+            num_draft_tokens=plan.budget,
+            min_path_prob=self.max_budget.min_path_prob,
         )
         small = TreeBudget(topk=1, depth=2, num_draft_tokens=2)
         graphed = engine.graphed_tree is not None and not sampled
         if graphed:
-            # The graphed step serves one captured shape: the choice is that tree or none. Its
-            # first step after a run of AR steps catches the MTP modules up eagerly and is not
-            # measured, so exploring takes a short run of steps.
+            # The graphed step serves one captured shape: the choice is that tree or none.
             planned = small = self.max_budget
         # The model omits host overhead; real step costs overrule it once both were measured.
         measured_ar = self._measured_says_ar(batch_size, sampled)
@@ -144,8 +157,7 @@ class AdaptiveController:
             due = self._since_explore >= self._explore_interval(batch_size, sampled)
             if due:
                 self._since_explore = 0
-                if graphed:
-                    self._explore_left = EXPLORE_RUN - 1
+                self._explore_left = EXPLORE_RUN - 1
             if not (due or in_run):
                 return no_spec
             return small if plan.budget == 0 else planned
