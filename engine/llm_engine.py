@@ -27,10 +27,12 @@ from engine.model.loader import load_model, parse_dtype
 from engine.outputs import RequestOutput, ZeroEvent
 from engine.params import EngineConfig, SamplingParams, SpecConfig
 from engine.sampling import (
+    SamplingTensors,
     apply_penalties,
     make_generator,
     probs_from_logits,
     sample_from_probs,
+    sample_rows,
     token_counts,
 )
 from engine.scheduler import Scheduler
@@ -567,11 +569,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tokens and finishing
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per row of ``logits`` [B, V]: plain greedy rows in one device read."""
-        plain = [s.sampling.greedy and not s.sampling.has_penalties for s in seqs]
-        greedy = logits.argmax(dim=-1).tolist() if any(plain) else []
+        """One token per row of ``logits`` [B, V]: greedy rows in one device read, sampled rows
+        without penalties in one batched draw; rows with penalties one by one."""
+        out: list[int | None] = [None] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy and not s.sampling.has_penalties]
+        if greedy:
+            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+                out[i] = token
+        sampled = [
+            i for i, s in enumerate(seqs) if not s.sampling.greedy and not s.sampling.has_penalties
+        ]
+        if sampled:
+            st = SamplingTensors.from_params([seqs[i].sampling for i in sampled], logits.device)
+            probs = probs_from_logits(logits[sampled], st.temperature, st.top_k, st.top_p)
+            drawn = sample_rows(probs, [seqs[i].generator for i in sampled])
+            for i, token in zip(sampled, drawn, strict=True):
+                out[i] = token
         return [
-            greedy[i] if plain[i] else self._sample_one(seq, logits[i]) for i, seq in enumerate(seqs)
+            token if token is not None else self._sample_one(seqs[i], logits[i])
+            for i, token in enumerate(out)
         ]
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:

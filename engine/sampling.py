@@ -160,6 +160,26 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator) -> int:
     return int(token)
 
 
+def sample_rows(probs: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of ``probs`` ``[R, V]``, row r drawn with ``generators[r]``.
+
+    The same exponential race as ``sample_from_probs``, consuming each generator the same way,
+    so a seeded request draws the same tokens whether its row is sampled alone or in a batch;
+    the rows share one max and one device-to-host copy.
+    """
+    if probs.dim() != 2 or probs.shape[0] != len(generators):
+        raise ValueError(f"probs must be [R, V] with one generator per row, got {tuple(probs.shape)}")
+    exp = torch.stack(
+        [torch.empty(probs.shape[1], dtype=torch.float32, device=probs.device).exponential_(generator=g)
+         for g in generators]
+    )  # [R, V]
+    best, tokens = (probs.float() / exp.clamp_(min=_TINY)).max(dim=-1)  # [R] x2
+    out = torch.stack([tokens, (best > 0).long()]).tolist()
+    if not all(out[1]):
+        raise ValueError("probs has a row with no positive mass")
+    return [int(t) for t in out[0]]
+
+
 def sample_without_replacement(probs: Tensor, k: int, generator: torch.Generator) -> list[int]:
     """Up to ``k`` distinct tokens in draw order (fewer if fewer tokens have positive mass).
 

@@ -144,3 +144,25 @@ def test_without_replacement_second_draw_law() -> None:
     expected = [pl[i] * pl[j] / (1 - pl[i]) for i, j in keys]
     expected = [20000 * e / sum(expected) for e in expected]  # exact total for chisquare
     assert chisquare([pairs[k] for k in keys], expected).pvalue > 1e-3
+
+
+def test_batched_rows_draw_what_single_rows_draw() -> None:
+    """``sample_rows`` consumes each row's generator like ``sample_from_probs``: a seeded request
+    draws the same tokens alone or in a batch."""
+    from engine.sampling import make_generator, sample_from_probs, sample_rows
+
+    probs = torch.softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    single_gens = [make_generator(100 + r) for r in range(5)]
+    batch_gens = [make_generator(100 + r) for r in range(5)]
+    for _ in range(20):
+        single = [sample_from_probs(probs[r], single_gens[r]) for r in range(5)]
+        assert sample_rows(probs, batch_gens) == single
+
+
+def test_batched_rows_reject_rows_without_mass() -> None:
+    from engine.sampling import make_generator, sample_rows
+
+    probs = torch.zeros(2, 4)
+    probs[0, 1] = 1.0
+    with pytest.raises(ValueError, match="no positive mass"):
+        sample_rows(probs, [make_generator(0), make_generator(1)])
