@@ -19,6 +19,7 @@ the padding logic is tested on CPU.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,21 @@ from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def capture_or_run_eagerly(capture: Callable[[], None], drop: Callable[[], None], what: str) -> str | None:
+    """Run ``capture``; on any failure call ``drop`` (forget partial graphs, clean scratch) and
+    warn. Returns the error text, None when the capture worked: the caller then replays, else
+    runs the same static code eagerly."""
+    try:
+        capture()
+    except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly instead
+        error = f"{type(exc).__name__}: {exc}"
+        torch.cuda.synchronize()
+        drop()
+        warnings.warn(f"{what} capture failed, running eagerly: {error}", stacklevel=3)
+        return error
+    return None
 
 
 class _Static:
@@ -111,17 +127,14 @@ class StaticTargetForward:
         self._mempool: object | None = None
         self.capture_error: str | None = None
         if self.use_graphs:
-            try:
-                self._capture_all()
-            except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly instead
-                self.capture_error = f"{type(exc).__name__}: {exc}"
-                self.use_graphs = False
-                for st in self._static.values():
-                    st.graph = None
-                torch.cuda.synchronize()
-                self._zero_scratch()
-                warnings.warn(f"CUDA graph capture failed, running eagerly: {self.capture_error}",
-                              stacklevel=2)
+            self.capture_error = capture_or_run_eagerly(self._capture_all, self._drop_graphs,
+                                                        "CUDA graph")
+            self.use_graphs = self.capture_error is None
+
+    def _drop_graphs(self) -> None:
+        for st in self._static.values():
+            st.graph = None
+        self._zero_scratch()
 
     def _bucket(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)

@@ -30,12 +30,12 @@ On CPU (``use_graphs=False``) the same code runs eagerly, which is how it is tes
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from engine.cuda_graphs import capture_or_run_eagerly
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -138,17 +138,14 @@ class GraphedGreedyTree:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.capture_error: str | None = None
         if self.use_graphs:
-            try:
-                self._capture_all()
-            except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly instead
-                self.capture_error = f"{type(exc).__name__}: {exc}"
-                self.use_graphs = False
-                for buf in self._buffers.values():
-                    buf.graph = buf.rollback_graph = None
-                torch.cuda.synchronize()
-                warnings.warn(f"graphed tree capture failed, running eagerly: {self.capture_error}",
-                              stacklevel=2)
+            self.capture_error = capture_or_run_eagerly(self._capture_all, self._drop_graphs,
+                                                        "graphed tree")
+            self.use_graphs = self.capture_error is None
             self._zero_scratch()
+
+    def _drop_graphs(self) -> None:
+        for buf in self._buffers.values():
+            buf.graph = buf.rollback_graph = None
 
     # ------------------------------------------------------------------ eligibility
     def capacity_needed(self, seq: Sequence) -> int:

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from tests.model_factory import build_checkpoint
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3, 1, 4, 0], [4] * 20, [5, 1, 2, 2, 3, 1]]
@@ -26,19 +25,6 @@ SPECS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def v6_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("g6"), seed=0, vocab_size=6,
-                            num_nextn_predict_layers=3)
-
-
-@pytest.fixture(scope="module")
-def v6_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("g6moe"), seed=5, vocab_size=6,
-                            n_routed_experts=4, first_k_dense_replace=1, q_lora_rank=16,
-                            num_nextn_predict_layers=2)
-
-
 def _engine(folder: Path, spec: SpecConfig, cfg: EngineConfig = STATIC) -> tuple[LLMEngine, list[int]]:
     eng = LLMEngine.from_pretrained(folder, spec=spec, engine_config=cfg)
     calls: list[int] = []
@@ -49,9 +35,9 @@ def _engine(folder: Path, spec: SpecConfig, cfg: EngineConfig = STATIC) -> tuple
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-{s.topk}-{s.depth}-{s.num_draft_tokens}")
-def test_graphed_greedy_equals_autoregressive(v6_dir: Path, spec: SpecConfig) -> None:
-    base = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
-    eng, calls = _engine(v6_dir, spec)
+def test_graphed_greedy_equals_autoregressive(small_vocab_dir: Path, spec: SpecConfig) -> None:
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(small_vocab_dir, spec)
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     # After the prefill catch-up every decode step of every sequence is graphed.
@@ -60,19 +46,19 @@ def test_graphed_greedy_equals_autoregressive(v6_dir: Path, spec: SpecConfig) ->
     assert eng.acceptance_snapshot()["num_steps"] == sum(calls)
 
 
-def test_graphed_moe_equals_autoregressive(v6_moe_dir: Path) -> None:
-    base = LLMEngine.from_pretrained(v6_moe_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
-    eng, calls = _engine(v6_moe_dir, SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12))
+def test_graphed_moe_equals_autoregressive(small_vocab_moe_dir: Path) -> None:
+    base = LLMEngine.from_pretrained(small_vocab_moe_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(small_vocab_moe_dir, SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12))
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert calls
 
 
-def test_graphed_drafts_the_host_drafters_trees(v6_dir: Path) -> None:
+def test_graphed_drafts_the_host_drafters_trees(small_vocab_dir: Path) -> None:
     """Same full trees (no confidence cut) -> the same accepted tokens at every step."""
     spec = SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12, min_path_prob=0.0)
-    host = LLMEngine.from_pretrained(v6_dir, spec=spec).generate(PROMPTS, GREEDY)
-    eng, calls = _engine(v6_dir, spec)
+    host = LLMEngine.from_pretrained(small_vocab_dir, spec=spec).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(small_vocab_dir, spec)
     graphed = eng.generate(PROMPTS, GREEDY)
     assert calls
     for h, g in zip(host, graphed, strict=True):
@@ -80,12 +66,12 @@ def test_graphed_drafts_the_host_drafters_trees(v6_dir: Path) -> None:
         assert g.stats.accepted_per_position == h.stats.accepted_per_position
 
 
-def test_graphed_session_kv_equals_autoregressive_and_nothing_else_remains(v6_dir: Path) -> None:
+def test_graphed_session_kv_equals_autoregressive_and_nothing_else_remains(small_vocab_dir: Path) -> None:
     """Committed target KV equals the AR run's; every slot past the committed entries is zero
     in every layer (rejected drafts, frontier and padding rows leave nothing)."""
     caches = []
     for spec in (SpecConfig(method="none"), SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12)):
-        eng, _ = _engine(v6_dir, spec)
+        eng, _ = _engine(small_vocab_dir, spec)
         eng.open_session("s")
         eng.add_request("r", [1, 2, 3, 4, 5, 0, 1], GREEDY, session_id="s")
         while eng.has_unfinished_requests():
@@ -105,10 +91,10 @@ def test_graphed_session_kv_equals_autoregressive_and_nothing_else_remains(v6_di
     torch.testing.assert_close(tree, ar, rtol=1e-4, atol=1e-5)
 
 
-def test_mixed_batch_greedy_graphed_sampled_on_host(v6_dir: Path) -> None:
+def test_mixed_batch_greedy_graphed_sampled_on_host(small_vocab_dir: Path) -> None:
     spec = SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9)
-    base = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none")).generate(PROMPTS[:2], GREEDY)
-    eng, calls = _engine(v6_dir, spec)
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS[:2], GREEDY)
+    eng, calls = _engine(small_vocab_dir, spec)
     sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
     eng.add_request("g0", PROMPTS[0], GREEDY)
     eng.add_request("s0", PROMPTS[2], sampled)
@@ -125,20 +111,20 @@ def test_mixed_batch_greedy_graphed_sampled_on_host(v6_dir: Path) -> None:
     assert eng.kv_blocks_used == len(eng.static_forward.scratch) + len(eng.graphed_tree.scratch)  # type: ignore[union-attr]
 
 
-def test_graphed_step_is_off_without_static_path(v6_dir: Path) -> None:
-    eng = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="tree"))
+def test_graphed_step_is_off_without_static_path(small_vocab_dir: Path) -> None:
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="tree"))
     assert eng.graphed_tree is None  # CPU default: host-driven path
-    eng = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none"), engine_config=STATIC)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"), engine_config=STATIC)
     assert eng.graphed_tree is None  # nothing to draft
 
 
-def test_autoregressive_steps_in_between_keep_the_graphed_path_exact(v6_dir: Path) -> None:
+def test_autoregressive_steps_in_between_keep_the_graphed_path_exact(small_vocab_dir: Path) -> None:
     """Adaptive speculation mixes AR and graphed steps: one or two AR steps fit the catch-up
     slack, longer AR runs get an eager MTP catch-up first; tokens stay the AR tokens."""
     from engine.spec.drafter import TreeBudget
 
-    base = LLMEngine.from_pretrained(v6_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
-    eng, calls = _engine(v6_dir, SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9))
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(small_vocab_dir, SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9))
     pattern = [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # 1 = speculate
     no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
     step = iter(range(10**6))

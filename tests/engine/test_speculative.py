@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, SpecConfig
-from tests.model_factory import build_checkpoint
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3], [4] * 20, [5, 1]]
@@ -20,19 +19,6 @@ SPECS = [
     SpecConfig(method="tree", topk=2, depth=3, num_draft_tokens=4, reuse_last_module=False),
     SpecConfig(method="adaptive"),
 ]
-
-
-@pytest.fixture(scope="module")
-def small_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # A 6-token vocabulary makes random MTP drafts right often enough to exercise acceptance.
-    return build_checkpoint(tmp_path_factory.mktemp("v6"), seed=0, vocab_size=6,
-                            num_nextn_predict_layers=3)
-
-
-@pytest.fixture(scope="module")
-def small_vocab_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("v6moe"), seed=5, vocab_size=6,
-                            n_routed_experts=4, first_k_dense_replace=1, q_lora_rank=16)
 
 
 def _run(folder: Path, spec: SpecConfig, sampling: SamplingParams = GREEDY, **kw):  # type: ignore[no-untyped-def]
@@ -120,15 +106,23 @@ def test_freed_blocks_are_zeroed_and_reported(small_vocab_dir: Path) -> None:
     assert eng.pool.zeroed_bytes_total == events[0].bytes
 
 
-def test_adaptive_follows_the_latency_model(small_vocab_dir: Path) -> None:
-    """Cheap verify tokens -> speculate; verify cost growing with every token -> do not."""
+def _adaptive_with_cheap_verify(folder: Path):  # type: ignore[no-untyped-def]
+    """An adaptive engine whose latency model makes speculation look worthwhile."""
     from engine.simulator import LatencyModel
 
-    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    eng = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="adaptive"))
     controller = eng.adaptive
     assert controller is not None
     controller.latency = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
     controller._planner = None
+    return eng, controller
+
+
+def test_adaptive_follows_the_latency_model(small_vocab_dir: Path) -> None:
+    """Cheap verify tokens -> speculate; verify cost growing with every token -> do not."""
+    from engine.simulator import LatencyModel
+
+    eng, controller = _adaptive_with_cheap_verify(small_vocab_dir)
     assert controller.choose(eng, 1).speculates
     controller.latency = LatencyModel.analytic(verify_fixed=1e-6, verify_per_token=0.01)
     controller._planner = None
@@ -166,13 +160,7 @@ def test_static_padded_forward_gives_the_same_tokens(small_vocab_dir: Path, meth
 
 def test_adaptive_measured_costs_overrule_the_plan(small_vocab_dir: Path) -> None:
     """If real speculative steps cost more per token than AR steps, adaptive stops drafting."""
-    from engine.simulator import LatencyModel
-
-    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
-    controller = eng.adaptive
-    assert controller is not None
-    controller.latency = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
-    controller._planner = None
+    eng, controller = _adaptive_with_cheap_verify(small_vocab_dir)
     for _ in range(5):
         controller.observe(4, True, seconds=0.10, tokens=8)  # 12.5 ms per token
         controller.observe(4, False, seconds=0.02, tokens=4)  # 5 ms per token
@@ -188,13 +176,7 @@ def test_adaptive_measured_costs_overrule_the_plan(small_vocab_dir: Path) -> Non
 def test_adaptive_explores_costly_speculation_rarely(small_vocab_dir: Path) -> None:
     """When a speculative step costs 30 AR steps and AR is faster per token, exploring it stays
     a small share of the time (it was one step in 16, which doubled the cost)."""
-    from engine.simulator import LatencyModel
-
-    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
-    controller = eng.adaptive
-    assert controller is not None
-    controller.latency = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
-    controller._planner = None
+    eng, controller = _adaptive_with_cheap_verify(small_vocab_dir)
     for _ in range(5):
         controller.observe(4, True, seconds=0.30, tokens=16, sampled=True)  # 75 ms per token
         controller.observe(4, False, seconds=0.01, tokens=4, sampled=True)  # 2.5 ms per token
