@@ -51,17 +51,18 @@ def step_seconds(shape: TreeShape, latency: LatencyModel, batch_size: int) -> fl
     """Seconds of one decoding step of ``batch_size`` sequences that all use ``shape``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    decode = latency.decode_overhead_seconds
     if shape.budget == 0:
-        return latency.verify_seconds(batch_size, 1)
-    draft = sum(latency.draft_seconds(batch_size, n) for n in shape.expanded_per_depth() if n)
-    return (
-        latency.verify_seconds(batch_size, shape.num_nodes) + draft + latency.step_overhead_seconds
-    )
+        return latency.verify_seconds(batch_size, 1) + decode
+    depths = [n for n in shape.expanded_per_depth() if n]
+    draft = sum(latency.draft_seconds(batch_size, n) for n in depths)
+    overhead = latency.step_overhead_seconds + latency.depth_overhead_seconds * len(depths)
+    return latency.verify_seconds(batch_size, shape.num_nodes) + draft + overhead + decode
 
 
 def ar_tokens_per_second(latency: LatencyModel, batch_size: int) -> float:
-    """Autoregressive throughput: ``batch_size`` tokens per ``verify(batch_size, 1)``."""
-    return batch_size / latency.verify_seconds(batch_size, 1)
+    """Autoregressive throughput: ``batch_size`` tokens per autoregressive step."""
+    return batch_size / (latency.verify_seconds(batch_size, 1) + latency.decode_overhead_seconds)
 
 
 @dataclass(frozen=True)

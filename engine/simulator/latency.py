@@ -8,13 +8,18 @@ Terms:
     tokens each (the nodes of the previous depth that get children).
   - ``step_overhead_seconds``: fixed host cost per speculative step (tree building, acceptance),
     added to every step that drafts; 0 unless measured.
+  - ``depth_overhead_seconds``: host cost per drafted depth (building the depth's rows, growing
+    the tree), added once per depth that drafts; 0 unless measured.
+  - ``decode_overhead_seconds``: host cost of every decode step, autoregressive ones included
+    (batch building, sampling, output bookkeeping); 0 unless measured.
 
 Each surface is either measured points, interpolated piecewise-linearly (in tokens within each
 measured batch size, then across batch sizes; linear extrapolation above the measured range,
 constant below it), or the analytic ``fixed + per_token * b * t``.
 
 JSON: ``{"verify": [{"batch_size": b, "tokens": t, "seconds": s}, ...],
-"draft_per_depth": [...same...], "step_overhead_seconds": 0.0}``; either list may instead be
+"draft_per_depth": [...same...], "step_overhead_seconds": 0.0, "depth_overhead_seconds": 0.0,
+"decode_overhead_seconds": 0.0}`` (the overheads optional); either list may instead be
 ``{"fixed": f, "per_token": c}``.
 """
 
@@ -148,11 +153,18 @@ class LatencyModel:
     verify: Surface
     draft: Surface
     step_overhead_seconds: float = 0.0
+    depth_overhead_seconds: float = 0.0
+    decode_overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        o = self.step_overhead_seconds
-        if not isinstance(o, int | float) or not math.isfinite(o) or o < 0:
-            raise ValueError(f"step_overhead_seconds must be a non-negative number, got {o!r}")
+        for name in ("step_overhead_seconds", "depth_overhead_seconds", "decode_overhead_seconds"):
+            o = getattr(self, name)
+            if not isinstance(o, int | float) or not math.isfinite(o) or o < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {o!r}")
+
+    def with_overheads(self, step: float, depth: float, decode: float) -> LatencyModel:
+        """The same forward surfaces with measured host overheads."""
+        return LatencyModel(self.verify, self.draft, step, depth, decode)
 
     def verify_seconds(self, batch_size: int, tokens: int) -> float:
         """One target forward: ``batch_size`` sequences of ``tokens`` new tokens each."""
@@ -190,6 +202,8 @@ class LatencyModel:
             _surface(measurements["verify"], "verify"),
             _surface(measurements["draft_per_depth"], "draft_per_depth"),
             measurements.get("step_overhead_seconds", 0.0),
+            measurements.get("depth_overhead_seconds", 0.0),
+            measurements.get("decode_overhead_seconds", 0.0),
         )
 
     @classmethod
@@ -208,6 +222,8 @@ class LatencyModel:
             "verify": self.verify.to_json_value(),
             "draft_per_depth": self.draft.to_json_value(),
             "step_overhead_seconds": self.step_overhead_seconds,
+            "depth_overhead_seconds": self.depth_overhead_seconds,
+            "decode_overhead_seconds": self.decode_overhead_seconds,
         }
 
     def to_json(self, path: str | Path) -> None:

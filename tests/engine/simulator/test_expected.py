@@ -63,3 +63,19 @@ def test_no_speculation_is_the_autoregressive_baseline() -> None:
     est = estimate(TreeShape.root_only(), stats, lat, 8)
     assert est.expected_length == 1.0
     assert est.speedup == pytest.approx(1.0)
+
+
+def test_host_overheads_per_decode_step_and_per_drafted_depth() -> None:
+    """Measured host costs: every decode step (AR too) pays ``decode``; a speculative step also
+    pays ``step`` once and ``depth`` per depth that drafts."""
+    stats = AcceptanceStats.chain([0.8, 0.5])
+    base = LatencyModel.analytic(0.010, 0.001, 0.002, 0.0005)
+    lat = base.with_overheads(step=0.001, depth=0.0003, decode=0.002)
+    b = 2
+    shape = TreeShape.chain(2)
+    forwards = (0.010 + 0.001 * b * 3) + 2 * (0.002 + 0.0005 * b)
+    assert step_seconds(shape, lat, b) == pytest.approx(forwards + 0.001 + 2 * 0.0003 + 0.002)
+    assert step_seconds(TreeShape.root_only(), lat, b) == pytest.approx(0.010 + 0.001 * b + 0.002)
+    est = estimate(shape, stats, lat, b)
+    assert est.ar_tokens_per_s == pytest.approx(b / (0.010 + 0.001 * b + 0.002))
+    assert est.speedup == pytest.approx(2.2 * (0.012 + 0.002) / (forwards + 0.001 + 0.0006 + 0.002))

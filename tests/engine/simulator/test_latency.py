@@ -84,3 +84,13 @@ def test_affine_fit_recovers_the_parameters() -> None:
     fit = AffineSurface.fit(points)
     assert fit.fixed == pytest.approx(0.02)
     assert fit.per_token == pytest.approx(0.001)
+
+
+def test_host_overheads_round_trip_and_validation(tmp_path: Path) -> None:
+    lat = LatencyModel.analytic(0.01, 0.001).with_overheads(step=0.001, depth=0.0002, decode=0.003)
+    lat.to_json(tmp_path / "lat.json")
+    again = LatencyModel.from_json(tmp_path / "lat.json")
+    assert (again.step_overhead_seconds, again.depth_overhead_seconds, again.decode_overhead_seconds) == (
+        0.001, 0.0002, 0.003)
+    with pytest.raises(ValueError, match="depth_overhead_seconds"):
+        LatencyModel.analytic(0.01, 0.001).with_overheads(step=0.0, depth=-1.0, decode=0.0)
