@@ -136,3 +136,32 @@ def test_autoregressive_steps_in_between_keep_the_graphed_path_exact(small_vocab
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert calls, "speculative steps should take the graphed path"
     assert len(caught_up) > 1, "long AR runs need a catch-up before the graphed step"
+
+
+def test_graphed_stop_inside_path_and_second_session_turn(small_vocab_dir: Path) -> None:
+    """A stop token met inside an accepted path ends the output there; a session's next turn
+    (prefill on top of the kept KV and MTP state) still decodes exactly like AR."""
+    spec = SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12)
+    runs = []
+    for s in (SpecConfig(method="none"), spec):
+        eng, calls = _engine(small_vocab_dir, s)
+        base = eng.generate([PROMPTS[2]], GREEDY)[0].token_ids
+        stop = base[7]
+        sp = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,))
+        stopped = eng.generate([PROMPTS[2]], sp)[0]
+        eng.open_session("s")
+        turns = []
+        for prompt in ([1, 2, 3, 4, 5], [0, 1, 2]):
+            eng.add_request(f"turn-{len(turns)}", prompt, GREEDY, session_id="s")
+            final = None
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        final = o
+            assert final is not None
+            turns.append(final.token_ids)
+        runs.append((stopped.token_ids, stopped.finish_reason, turns, len(calls)))
+    (ar_stop, ar_reason, ar_turns, _), (g_stop, g_reason, g_turns, g_calls) = runs
+    assert (g_stop, g_reason) == (ar_stop, ar_reason) and g_stop[-1] == stop
+    assert g_turns == ar_turns
+    assert g_calls > 0
