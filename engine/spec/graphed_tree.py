@@ -192,9 +192,18 @@ class GraphedGreedyTree:
 
         Returns per-sequence results and the rollback timing handle (CUDA events or seconds).
         """
-        n = len(seqs)
-        buf = self._buffers[self._bucket(n)]
-        C = self.C
+        buf = self._buffers[self._bucket(len(seqs))]
+        catch_up = self._load_inputs(buf, seqs)
+        if buf.graph is not None:
+            buf.graph.replay()
+        else:
+            self._draft_verify_accept(buf)
+        timing = self._timed_rollback(buf)
+        return self._finish(buf, seqs, catch_up), timing
+
+    def _load_inputs(self, buf: _Buffers, seqs: list[Sequence]) -> list[int]:
+        """Copy the batch into the bucket's static inputs; returns each sequence's ``c``."""
+        n, C = len(seqs), self.C
         L = [s.num_committed for s in seqs]
         c = [Li - s.mtp_committed[0] for Li, s in zip(L, seqs, strict=True)]
         width = max(len(s.block_ids) for s in seqs)
@@ -217,38 +226,38 @@ class GraphedGreedyTree:
         if self.k > 1:
             carry = torch.cat([h for s in seqs for h in s.pending_hidden[1 : self.k]])  # type: ignore[misc]
             buf.carry[:n].copy_(carry.view(n, self.k - 1, self.hidden_size))
-        timing: tuple[object, ...]
-        if buf.graph is not None and buf.rollback_graph is not None:
-            buf.graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            buf.rollback_graph.replay()
-            end.record()
-            timing = (start, end)
+        return c
+
+    def _timed_rollback(self, buf: _Buffers) -> tuple[object, ...]:
+        """Run the rollback: timed by CUDA events on GPU (read lazily), by the clock on CPU."""
+        graph = buf.rollback_graph
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            self._rollback(buf)
+            return (time.perf_counter() - t0,)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph is not None:
+            graph.replay()
         else:
-            self._draft_verify_accept(buf)
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self._rollback(buf)
-                end.record()
-                timing = (start, end)
-            else:
-                t0 = time.perf_counter()
-                self._rollback(buf)
-                timing = (time.perf_counter() - t0,)
+            self._rollback(buf)
+        end.record()
+        return (start, end)
+
+    def _finish(self, buf: _Buffers, seqs: list[Sequence], c: list[int]) -> list[GreedyStepResult]:
+        """Read the step's outputs and move every sequence's KV/MTP bookkeeping forward."""
+        n, D = len(seqs), self.D
         # The static outputs are overwritten by the next replay: copy them out, once.
         next_rows = buf.next_rows[:n].clone()  # [n, P, H]
         next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
         packed = buf.packed[:n].tolist()  # the step's one device -> host copy
         results = []
-        D = self.D
         for i, s in enumerate(seqs):
             row = packed[i]
             a, bonus = row[0], row[1]
-            path_tokens = row[2 : 2 + D + 1]
-            has_child = row[3 + D : 3 + 2 * D + 1]
-            ranks = row[4 + 2 * D : 4 + 3 * D + 1]
+            path_tokens = row[2 : 3 + D]
+            has_child = row[3 + D : 4 + 2 * D]
+            ranks = row[4 + 2 * D : 5 + 3 * D]
             results.append(
                 GreedyStepResult(
                     accepted_tokens=path_tokens[1 : a + 1],
@@ -257,16 +266,16 @@ class GraphedGreedyTree:
                     child_ranks=ranks[1 : a + 1],
                 )
             )
-            # MTP state for the next step.
+            L = s.num_committed
             for d in range(1, self.k + 1):
                 s.mtp_committed[d - 1] += c[i]
             s.pending_hidden[0] = next_rows[i, : a + 1]
-            s.pending_start[0] = L[i]
+            s.pending_start[0] = L
             for d in range(1, self.k):
                 s.pending_hidden[d] = next_carry[i, d - 1 : d]
-                s.pending_start[d] = L[i] - d
-            s.num_committed = L[i] + a + 1
-        return results, timing
+                s.pending_start[d] = L - d
+            s.num_committed = L + a + 1
+        return results
 
     # ------------------------------------------------------------------ device program
     def _slots(self, tables: Tensor, positions: Tensor) -> Tensor:
