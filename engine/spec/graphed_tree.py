@@ -40,10 +40,10 @@ from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.sequence import Sequence
+from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes
 from engine.spec.drafter import TreeBudget
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
 CATCH_UP_SLACK = 2  # extra catch-up rows: an AR step or two between speculative steps is fine
 
 
@@ -396,26 +396,11 @@ class GraphedGreedyTree:
                 front_idx = base + pick
                 front_prev = front_out.gather(1, (pick // K)[:, :, None].expand(B, K, self.hidden_size))
             front = (token, front_prev, L + m)  # frontier rows sit at hidden index L - 1
-        tokens_all = torch.cat(cand_tok, 1)  # [B, T]
-        parents_all = torch.cat(cand_parent, 1)  # [B, T]
-        order = torch.arange(self.num_candidates, device=dev, dtype=torch.float64)
-        key = torch.cat(cand_score, 1).double() - order * TIE_BREAK
-        sel = key.topk(N, -1).indices.sort(-1).values  # [B, N] ancestor-closed, creation order
-        node_of = torch.zeros(B, self.num_candidates, dtype=torch.long, device=dev)
-        node_of.scatter_(1, sel, torch.arange(1, N + 1, device=dev).expand(B, N))
-        sel_parent = parents_all.gather(1, sel)
-        parent = torch.where(sel_parent < 0, 0, node_of.gather(1, sel_parent.clamp(min=0)))
-        zeros = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        P = torch.cat([zeros, parent], 1)  # [B, N+1], the root is its own parent
+        sel, P = select_nodes(torch.cat(cand_score, 1), torch.cat(cand_parent, 1), N)  # [B, N], [B, N+1]
         root = buf.tail.gather(1, (c - 1)[:, None])  # [B, 1]
-        tree_tok = torch.cat([root, tokens_all.gather(1, sel)], 1)  # [B, N+1]
-        depth = torch.cat([zeros, self.cand_depth[sel]], 1)  # [B, N+1]
-        # Ancestor-or-self mask [B, N+1, N+1].
-        cur = torch.arange(N + 1, device=dev).expand(B, N + 1)
-        anc = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)
-        for _ in range(D + 1):
-            anc.scatter_(2, cur[:, :, None], True)
-            cur = P.gather(1, cur)
+        tree_tok = torch.cat([root, torch.cat(cand_tok, 1).gather(1, sel)], 1)  # [B, N+1]
+        depth = torch.cat([torch.zeros_like(root), self.cand_depth[sel]], 1)  # [B, N+1]
+        anc = ancestor_mask(P, D)  # [B, N+1, N+1]
         # One target forward over every tree.
         node = torch.arange(N + 1, device=dev)
         tree_slots = self._slots(buf.tables, L[:, None] + node)  # [B, N+1]
@@ -430,31 +415,12 @@ class GraphedGreedyTree:
         hidden = self.model.forward_target(tree_tok.reshape(-1), batch, self.pool.kv_cache)
         hidden = hidden.view(B, N + 1, -1)
         target = self.model.logits(hidden).argmax(-1)  # [B, N+1]
-        # Greedy acceptance: a node is accepted when its token is the target's argmax at its
-        # parent and its parent is accepted; siblings differ, so the accepted set is one path.
-        match = tree_tok == target.gather(1, P)
-        is_root = node[None] == 0
-        acc = is_root.expand(B, N + 1)
-        for _ in range(D):
-            acc = (match & acc.gather(1, P)) | is_root
-        best = torch.where(acc, depth, -1).argmax(-1, keepdim=True)  # [B, 1] deepest accepted
-        a = depth.gather(1, best)  # [B, 1] accepted drafts
-        up = [best]
-        for _ in range(D):
-            up.append(P.gather(1, up[-1]))
-        chain = torch.cat(up, 1)  # [B, D+1] best, parent, grandparent, ...
-        j = torch.arange(D + 1, device=dev)
-        path = chain.gather(1, (a - j).clamp(min=0))  # [B, D+1] root .. best, then repeats
-        on_path = j[None] <= a  # [B, D+1]
-        bonus = target.gather(1, best)
-        has_child = (P[:, None, 1:] == path[:, :, None]).any(-1)  # [B, D+1]
-        path_parent = P.gather(1, path)
-        rank = (
-            (P[:, None, :] == path_parent[:, :, None]) & (node < path[:, :, None]) & (node >= 1)
-        ).sum(-1)  # [B, D+1] sibling rank (siblings are in score order)
-        buf.packed.copy_(
-            torch.cat([a, bonus, tree_tok.gather(1, path), has_child.long(), rank.long()], 1)
-        )
+        acc = accept_greedy(tree_tok, P, depth, target, D)
+        path = acc.path  # [B, D+1]
+        buf.packed.copy_(torch.cat([
+            acc.num_accepted, acc.bonus, tree_tok.gather(1, path), acc.has_child.long(),
+            acc.sibling_rank.long(),
+        ], 1))  # fmt: skip
         # Next step's module-1 inputs: the verify hidden states of the accepted path.
         buf.next_rows.copy_(hidden.gather(1, path[:, :, None].expand(B, D + 1, self.hidden_size)))
         if next_carry:
@@ -462,7 +428,7 @@ class GraphedGreedyTree:
         # Rollback indices: accepted path -> contiguous slots L..L+a, everything else zeroed.
         buf.src_slots.copy_(tree_slots.gather(1, path).reshape(-1))
         buf.dst_slots.copy_(tree_slots[:, : D + 1].reshape(-1))
-        buf.keep.copy_(on_path.reshape(-1))
+        buf.keep.copy_(acc.on_path.reshape(-1))
         buf.reject_slots.copy_(tree_slots[:, D + 1 :].reshape(-1))
 
     def _rollback(self, buf: _Buffers) -> None:

@@ -1,0 +1,77 @@
+"""The device tree algebra (engine/spec/device_tree.py) against the host implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes
+from engine.spec.tree import DraftTree, select_best_nodes
+from engine.spec.verifier import verify_greedy
+
+
+def _random_candidates(gen: torch.Generator, topk: int, depth: int, vocab: int):  # type: ignore[no-untyped-def]
+    """EAGLE-2 style candidates: topk children of the root, topk children of each of the topk best
+    nodes of every further depth; scores are cumulative log-probabilities (distinct)."""
+    tokens, parents, scores, depths = [], [], [], []
+    frontier = [(-1, 0.0)]
+    for d in range(1, depth + 1):
+        new = []
+        for parent, score in frontier:
+            toks = torch.randperm(vocab, generator=gen)[:topk].tolist()
+            logp = (-torch.rand(topk, generator=gen, dtype=torch.float64) * 3).sort(descending=True).values
+            for t, lp in zip(toks, logp.tolist(), strict=True):
+                tokens.append(t)
+                parents.append(parent)
+                scores.append(score + lp)
+                depths.append(d)
+                new.append((len(tokens) - 1, score + lp))
+        frontier = sorted(new, key=lambda x: -x[1])[:topk]
+    return tokens, parents, scores, depths
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_selection_mask_and_acceptance_match_the_host(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    topk, depth, budget, vocab = 3, 4, 10, 7
+    trees, device_inputs = [], []
+    for _ in range(4):  # a batch of 4 trees
+        tokens, parents, scores, depths = _random_candidates(gen, topk, depth, vocab)
+        keep = select_best_nodes(torch.tensor(scores), torch.tensor(parents), budget)
+        trees.append(DraftTree.from_candidates(5, tokens, parents, keep))
+        device_inputs.append((tokens, parents, scores, depths))
+    scores = torch.tensor([x[2] for x in device_inputs])
+    cand_parents = torch.tensor([x[1] for x in device_inputs])
+    sel, P = select_nodes(scores, cand_parents, budget)
+    cand_tokens = torch.tensor([x[0] for x in device_inputs])
+    cand_depths = torch.tensor([x[3] for x in device_inputs])
+    tree_tok = torch.cat([torch.full((4, 1), 5), cand_tokens.gather(1, sel)], 1)
+    depth_t = torch.cat([torch.zeros(4, 1, dtype=torch.long), cand_depths.gather(1, sel)], 1)
+    mask = ancestor_mask(P, depth)
+    # Targets that follow a random node's path often enough to exercise deep acceptance.
+    target = torch.randint(0, vocab, (4, budget + 1), generator=gen)
+    for b, tree in enumerate(trees):
+        leaf = int(torch.randint(1, budget + 1, (1,), generator=gen))
+        path = tree.path_to(leaf)
+        for parent_node, child in zip(path, path[1:], strict=False):
+            target[b, parent_node] = tree.token_list[child]
+    acc = accept_greedy(tree_tok, P, depth_t, target, depth)
+    for b, tree in enumerate(trees):
+        assert tree_tok[b].tolist() == tree.token_list
+        assert P[b, 1:].tolist() == tree.parent_list[1:]
+        assert torch.equal(mask[b], tree.tree_mask())
+        host = verify_greedy(tree, target[b])
+        a = int(acc.num_accepted[b])
+        assert acc.path[b, : a + 1].tolist() == host.accepted
+        assert int(acc.bonus[b]) == host.bonus_token
+        assert acc.has_child[b, : a + 1].tolist() == [bool(tree.children(n)) for n in host.accepted]
+        assert acc.sibling_rank[b, 1 : a + 1].tolist() == [tree.sibling_rank(n) for n in host.accepted[1:]]
+
+
+def test_ties_keep_the_selection_ancestor_closed() -> None:
+    """A child as likely as its parent (draft probability 1) never displaces the parent."""
+    scores = torch.tensor([[0.0, -1.0, 0.0, 0.0]])  # candidate 2 is a child of 0, 3 of 2
+    parents = torch.tensor([[-1, -1, 0, 2]])
+    sel, P = select_nodes(scores, parents, 3)
+    assert sel.tolist() == [[0, 2, 3]]
+    assert P.tolist() == [[0, 0, 1, 2]]
