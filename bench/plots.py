@@ -45,6 +45,10 @@ def speedup_plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
         ax.set_ylabel("speedup over ar (tokens/s)")
         ax.set_title(f"temperature {t:g}")
         ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -69,10 +73,7 @@ def acceptance_plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
         ax.set_ylabel("share of steps accepting depth d")
         ax.set_title(f"batch {bs}, temperature {t:g}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def latency_plot(serve: dict[str, Any], path: Path) -> Path | None:
@@ -90,10 +91,7 @@ def latency_plot(serve: dict[str, Any], path: Path) -> Path | None:
         ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(3)], ["p50", "p90", "p99"])
         ax.set_title(f"{title} (ms)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_plots(doc: dict[str, Any], folder: Path, stem: str) -> list[Path]:

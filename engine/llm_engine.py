@@ -486,16 +486,18 @@ class LLMEngine:
         fast = self.graphed_tree
         if fast is None or budget != fast.budget:
             return [], seqs
+        ready = [fast.eligible(s) for s in seqs]
         lagging = [
-            s for s in seqs
-            if s.sampling.greedy and not s.sampling.has_penalties and not fast.eligible(s)
+            s for s, ok in zip(seqs, ready, strict=True)
+            if not ok and s.sampling.greedy and not s.sampling.has_penalties
         ]  # fmt: skip
         if lagging and self.drafter is not None:
             # MTP modules behind (autoregressive steps in between, a host step that stopped
             # early): catch them up eagerly, then the graphed step can take these sequences.
             self.drafter.catch_up(lagging)
             self._step_caught_up = True
-        graphed = [s for s in seqs if fast.eligible(s)][: fast.max_batch]
+            ready = [ok or fast.eligible(s) for s, ok in zip(seqs, ready, strict=True)]
+        graphed = [s for s, ok in zip(seqs, ready, strict=True) if ok][: fast.max_batch]
         chosen = {id(s) for s in graphed}
         return graphed, [s for s in seqs if id(s) not in chosen]
 

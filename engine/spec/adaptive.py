@@ -24,6 +24,7 @@ one, so for greedy batches the choice is between that tree and no speculation.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +45,29 @@ REPLAN_MAX_RECORDS = 16384
 EXPLORE_RUN = 3
 
 
+@dataclass
+class _StepCost:
+    """EWMAs of one kind of decode step: seconds and emitted tokens per step.
+
+    Cost per token is their ratio (a ratio of sums): averaging per-step ratios would over-weight
+    the steps that happen to accept little.
+    """
+
+    seconds: float
+    tokens: float
+    count: int
+
+    def add(self, seconds: float, tokens: int) -> None:
+        rate = max(0.2, 1 / (self.count + 1))
+        self.seconds += (seconds - self.seconds) * rate
+        self.tokens += (tokens - self.tokens) * rate
+        self.count += 1
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens
+
+
 class AdaptiveController:
     def __init__(self, engine: LLMEngine, max_budget: TreeBudget, explore_every: int = 16) -> None:
         self.max_budget = max_budget
@@ -53,11 +77,8 @@ class AdaptiveController:
         self._planned_at_steps = 0
         self._calls = 0
         self._explore_left = 0
-        # (log2 batch bucket, batch samples, speculated) -> (EWMA s per emitted token, count)
-        self._measured: dict[tuple[int, bool, bool], tuple[float, int]] = {}
-        # (log2 batch bucket, batch samples, speculated) -> EWMA s per step
-        self._step_cost: dict[tuple[int, bool, bool], float] = {}
-        self._tokens: dict[tuple[int, bool, bool], tuple[float, int]] = {}  # EWMA tokens per step
+        # (log2 batch bucket, batch samples, speculated) -> measured decode steps
+        self._steps: dict[tuple[int, bool, bool], _StepCost] = {}
         self._since_explore = 0
 
     def observe(
@@ -67,36 +88,33 @@ class AdaptiveController:
         if tokens <= 0:
             return
         key = (batch_size.bit_length(), sampled, speculated)
-        # Cost per token = EWMA(seconds) / EWMA(tokens), a ratio of sums: averaging per-step
-        # ratios would over-weight the steps that happen to accept little.
-        old_tokens, count = self._tokens.get(key, (float(tokens), 0))
-        rate = max(0.2, 1 / (count + 1))
-        step = self._step_cost.get(key, seconds)
-        self._step_cost[key] = step + (seconds - step) * rate
-        self._tokens[key] = (old_tokens + (tokens - old_tokens) * rate, count + 1)
-        self._measured[key] = (self._step_cost[key] / self._tokens[key][0], count + 1)
+        cost = self._steps.get(key)
+        if cost is None:
+            self._steps[key] = _StepCost(seconds, float(tokens), 1)
+        else:
+            cost.add(seconds, tokens)
 
     def _explore_interval(self, batch_size: int, sampled: bool) -> int:
         """Steps between explorations of speculation while AR is measured faster: the costlier
         a speculative step is against an AR step, the rarer, so exploring stays ~1/explore_every
         of the time (sampled trees on the host path can cost tens of AR steps)."""
         bucket = batch_size.bit_length()
-        spec = self._step_cost.get((bucket, sampled, True))
-        ar = self._step_cost.get((bucket, sampled, False))
-        if spec is None or ar is None or ar <= 0:
+        spec = self._steps.get((bucket, sampled, True))
+        ar = self._steps.get((bucket, sampled, False))
+        if spec is None or ar is None or ar.seconds <= 0:
             return self.explore_every
-        return int(self.explore_every * max(1.0, spec / ar) * 4)
+        return int(self.explore_every * max(1.0, spec.seconds / ar.seconds) * 4)
 
     def _measured_says_ar(self, batch_size: int, sampled: bool) -> bool | None:
         """Whether measured steps favour AR at this batch size (the nearest measured bucket
         stands in for one not measured yet); None while nothing comparable was measured."""
         target = batch_size.bit_length()
-        buckets = sorted({k[0] for k in self._measured}, key=lambda b: abs(b - target))
+        buckets = sorted({k[0] for k in self._steps}, key=lambda b: abs(b - target))
         for bucket in buckets:
-            spec = self._measured.get((bucket, sampled, True))
-            ar = self._measured.get((bucket, sampled, False))
-            if spec is not None and ar is not None and spec[1] >= 3 and ar[1] >= 3:
-                return spec[0] > ar[0]
+            spec = self._steps.get((bucket, sampled, True))
+            ar = self._steps.get((bucket, sampled, False))
+            if spec is not None and ar is not None and spec.count >= 3 and ar.count >= 3:
+                return spec.per_token > ar.per_token
         return None
 
     def _stats(self, engine: LLMEngine) -> AcceptanceStats:
@@ -126,9 +144,7 @@ class AdaptiveController:
             if replanning:
                 # New statistics, new trees: what speculative steps cost so far was measured
                 # on other shapes, so measure them again (AR costs stay valid).
-                self._measured = {k: v for k, v in self._measured.items() if not k[2]}
-                self._step_cost = {k: v for k, v in self._step_cost.items() if not k[2]}
-                self._tokens = {k: v for k, v in self._tokens.items() if not k[2]}
+                self._steps = {k: v for k, v in self._steps.items() if not k[2]}
             self._planned_at_steps = steps
         # Plans per power-of-two batch bucket: a shrinking batch does not re-plan every step.
         plan = self._planner.plan(1 << (batch_size - 1).bit_length())

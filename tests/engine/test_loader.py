@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,20 +45,26 @@ def test_sharded_folder_gives_the_same_tokens(dense_model_dir: Path, tmp_path: P
     assert a[0].token_ids == b[0].token_ids
 
 
+@contextlib.contextmanager
+def _tensors(folder: Path) -> Iterator[dict[str, torch.Tensor]]:
+    """Edit the tensors of a single-file checkpoint in place."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    yield tensors
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
 def test_missing_tensor_is_named(dense_model_dir: Path, tmp_path: Path) -> None:
     folder = _copy(dense_model_dir, tmp_path / "missing")
-    tensors = load_file(str(folder / "model.safetensors"))
-    del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
-    save_file(tensors, str(folder / "model.safetensors"))
+    with _tensors(folder) as tensors:
+        del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn\.kv_b_proj\.weight"):
         load_model(folder)
 
 
 def test_wrong_shape_is_reported(dense_model_dir: Path, tmp_path: Path) -> None:
     folder = _copy(dense_model_dir, tmp_path / "shape")
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors["model.norm.weight"] = torch.ones(7)
-    save_file(tensors, str(folder / "model.safetensors"))
+    with _tensors(folder) as tensors:
+        tensors["model.norm.weight"] = torch.ones(7)
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(7,\), expected \(64,\)"):
         load_model(folder)
 
@@ -71,9 +79,8 @@ def test_missing_shard_is_named(dense_model_dir: Path, tmp_path: Path) -> None:
 
 def test_partial_mtp_layer_is_named(dense_model_dir: Path, tmp_path: Path) -> None:
     folder = _copy(dense_model_dir, tmp_path / "partialmtp")
-    tensors = load_file(str(folder / "model.safetensors"))
-    del tensors["model.layers.3.eh_proj.weight"]
-    save_file(tensors, str(folder / "model.safetensors"))
+    with _tensors(folder) as tensors:
+        del tensors["model.layers.3.eh_proj.weight"]
     with pytest.raises(CheckpointError, match=r"model\.layers\.3\.eh_proj\.weight"):
         load_model(folder)
 
@@ -83,9 +90,9 @@ def test_checkpoint_without_mtp_weights_serves_autoregressively(
 ) -> None:
     """What transformers' save_pretrained writes: num_nextn_predict_layers set, no MTP tensors."""
     folder = _copy(dense_model_dir, tmp_path / "nomtp")
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors = {k: v for k, v in tensors.items() if not k.startswith(("model.layers.2.", "model.layers.3."))}
-    save_file(tensors, str(folder / "model.safetensors"))
+    with _tensors(folder) as tensors:
+        for name in [k for k in tensors if k.startswith(("model.layers.2.", "model.layers.3."))]:
+            del tensors[name]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = LLMEngine.from_pretrained(dense_model_dir, spec=SpecConfig(method="none")).generate([[3, 4]], sp)
     got = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="none")).generate([[3, 4]], sp)
