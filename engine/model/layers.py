@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import use_fused_kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, scaled by a learned weight (as the DeepSeek-V3 reference)."""
@@ -16,6 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype and use_fused_kernels(x):
+            from engine.kernels.fused_layers import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)  # the same computation in one launch
         # x * rsqrt(mean(x^2) + eps) in float32 (one fused kernel where PyTorch has it), then
         # the weight in the input dtype, in the reference's order.
         normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import paged_mla_attention, write_kv
+from engine.kernels import use_fused_kernels
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import RMSNorm
@@ -50,13 +51,17 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = softmax_scale(cfg)
 
     # ---- shared pieces ----
-    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., H] -> q_nope [..., heads, nope], q_rope [..., heads, rope] (not rotated)."""
+    def _project_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> q [..., heads, nope + rope] (rope part not rotated)."""
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q = q.view(*x.shape[:-1], self.num_heads, self.nope_dim + self.rope_dim)
+        return q.view(*x.shape[:-1], self.num_heads, self.nope_dim + self.rope_dim)
+
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> q_nope [..., heads, nope], q_rope [..., heads, rope] (not rotated)."""
+        q = self._project_queries(x)
         return q[..., : self.nope_dim], q[..., self.nope_dim :]
 
     def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,12 +84,7 @@ class MultiHeadLatentAttention(nn.Module):
         batch: AttentionBatch,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_rank + rope] this layer's cache
     ) -> torch.Tensor:
-        q_nope, q_rope = self._queries(x)  # [N, heads, nope], [N, heads, rope]
-        c_kv, k_rope = self._latents(x)  # [N, kv_rank], [N, rope]
-        q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])
-        k_rope = rope.rotate(k_rope, cos, sin)
-        write_kv(kv_cache, batch.slot_mapping, torch.cat([c_kv, k_rope], dim=-1))
-
+        q_nope, q_rope = self._rope_and_store_latent(x, rope, cos, sin, batch.slot_mapping, kv_cache)
         w_uk, w_uv = self._absorb_weights()
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, heads, kv_rank]
         out_latent = paged_mla_attention(
@@ -100,6 +100,35 @@ class MultiHeadLatentAttention(nn.Module):
         )  # [N, heads, kv_rank]
         out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)  # [N, heads, v]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
+
+    def _rope_and_store_latent(
+        self,
+        x: torch.Tensor,  # [N, H]
+        rope: RotaryEmbedding,
+        cos: torch.Tensor,  # [N, rope/2]
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [N]
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q_nope [N, heads, nope], rotated q_rope [N, heads, rope]
+        """Queries, and the tokens' latent entries [c_kv | rotated k_rope] written to the cache."""
+        norm = self.kv_a_layernorm
+        half = self.rope_dim // 2
+        if use_fused_kernels(x) and norm.weight.dtype == x.dtype and half & (half - 1) == 0:
+            from engine.kernels.fused_layers import rope_and_store_latent
+
+            q = self._project_queries(x)
+            kv = self.kv_a_proj_with_mqa(x)  # [N, kv_rank + rope]
+            q_rope = rope_and_store_latent(
+                q, kv, norm.weight, norm.eps, cos, sin, kv_cache, slot_mapping, self.nope_dim,
+                rope.interleave,
+            )  # one launch for the rotations, the norm and the cache write
+            return q[..., : self.nope_dim], q_rope
+        q_nope, q_rope = self._queries(x)  # [N, heads, nope], [N, heads, rope]
+        c_kv, k_rope = self._latents(x)  # [N, kv_rank], [N, rope]
+        q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])
+        k_rope = rope.rotate(k_rope, cos, sin)
+        write_kv(kv_cache, slot_mapping, torch.cat([c_kv, k_rope], dim=-1))
+        return q_nope, q_rope
 
     # ---- training / reference: expanded MLA over whole sequences ----
     def forward_dense(

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
+
 # name -> (make_case kwargs, kernel kwargs); checked against the reference and the naive loop.
 ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
     "tree_fp32": (dict(seed=0, ctx_lens=[0, 5, 17, 9], new_counts=[3, 1, 6, 4]), {}),
@@ -47,6 +49,7 @@ ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
         dict(seed=7, ctx_lens=[3, 21], new_counts=[5, 7], dtype=torch.float16, rank=32), {}
     ),
 }
+INTERPRETED_FUSED = [k for k in FUSED_CASES if not k.startswith("bf16")]  # see above: bf16 on GPU
 COMPACTION_CASES = [
     "chain_overlap", "chain_reversed", "tiles_of_4_mixed", "random_batch_bf16", "zero_only",
 ]
@@ -112,6 +115,8 @@ def run_all() -> dict[str, dict]:
     jobs: dict[str, Callable[[], tuple[float, float]]] = {
         **{f"attention/{k}": (lambda v=v: _attention_case(*v)) for k, v in ATTENTION_CASES.items()},
         **{f"compaction/{k}": (lambda k=k: _compaction_case(k)) for k in COMPACTION_CASES},
+        **{f"rms_norm/{k}": (lambda k=k: check_rms_norm(k, "cpu")) for k in INTERPRETED_FUSED},
+        **{f"rope_latent/{k}": (lambda k=k: check_rope_latent(k, "cpu")) for k in INTERPRETED_FUSED},
     }
     for name, job in jobs.items():
         try:

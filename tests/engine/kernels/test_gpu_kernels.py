@@ -12,6 +12,7 @@ from torch.testing import assert_close
 from engine.attention import paged_mla_attention, paged_mla_attention_reference
 from engine.kv.compaction import compact_and_zero
 from tests.engine.kernels.cases import make_case
+from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,3 +76,10 @@ def test_fused_compaction_is_bit_exact_on_gpu() -> None:
     as_long = [torch.tensor(x, dtype=torch.int64, device="cuda") for x in (src, dst, zero)]
     compact_and_zero(cache, *as_long)
     assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_fused_layer_kernels_match_the_pytorch_path(name: str) -> None:
+    for check in (check_rms_norm, check_rope_latent):
+        err, tol = check(name, "cuda")
+        assert err <= tol, (check.__name__, err, tol)

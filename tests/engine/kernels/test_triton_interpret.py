@@ -15,12 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.kernels.interpret_checks import ATTENTION_CASES, COMPACTION_CASES
+from tests.engine.kernels.interpret_checks import (
+    ATTENTION_CASES,
+    COMPACTION_CASES,
+    INTERPRETED_FUSED,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CASE_NAMES = [f"attention/{k}" for k in ATTENTION_CASES] + [
     f"compaction/{k}" for k in COMPACTION_CASES
-]
+] + [f"{kind}/{k}" for kind in ("rms_norm", "rope_latent") for k in INTERPRETED_FUSED]
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,

@@ -1,0 +1,135 @@
+"""Fused Triton kernels for the per-token pieces of a decoder layer (one launch each).
+
+On a GPU a decode step of a small model is bound by kernel launches, not by bytes or FLOPs: an
+RMSNorm in PyTorch is four kernels (cast, normalise, cast back, weight), RoPE on queries and
+keys plus the latent-cache write about sixteen. These kernels do each in one launch:
+
+- ``rms_norm``: ``weight * rms_norm(x.float()).to(x.dtype)`` per row;
+- ``rope_and_store_latent``: per token, rotates the rope part of every head's query into a new
+  tensor, and normalises ``c_kv``, rotates ``k_rope`` and stores ``[c_kv | k_rope]`` at the
+  token's cache slot.
+
+Both round where the PyTorch path rounds (after the normalisation, after each product of the
+rotation), so in bfloat16 they agree with it to the last bit but for the order of the fp32
+reduction. References: ``engine/model/fused.py``; tests: ``tests/engine/kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """Round float32 ``x`` to the tensor dtype and back (the PyTorch path's rounding points)."""
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    dtype = out_ptr.dtype.element_ty
+    normed = _round(x * rstd, dtype)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, (w * normed).to(dtype), mask=ok)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., D] (last dim contiguous) -> [..., D] in x's dtype."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D) if x.dim() != 2 else x  # a view whenever the rows are evenly strided
+    assert rows.stride(-1) == 1
+    out = torch.empty(rows.shape[0], D, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, out, rows.stride(0), D, eps, BLOCK=triton.next_power_of_2(D)
+        )
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin), every product and sum rounded like the torch path."""
+    a = _round(_round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE), DTYPE)
+    b = _round(_round(x2 * cos, DTYPE) + _round(x1 * sin, DTYPE), DTYPE)
+    return a, b
+
+
+@triton.jit
+def _rope_latent_kernel(
+    q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, q_out_ptr, cache_ptr, slot_ptr,
+    stride_qn, stride_qh, stride_kvn, H, eps,
+    NOPE: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVE: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    cache_dtype = cache_ptr.dtype.element_ty
+    offs_i = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + n * HALF + offs_i).to(tl.float32)[None, :]  # [1, HALF]
+    sin = tl.load(sin_ptr + n * HALF + offs_i).to(tl.float32)[None, :]
+    if INTERLEAVE:  # pairs (x0, x1), (x2, x3)...
+        first, second = 2 * offs_i, 2 * offs_i + 1
+    else:
+        first, second = offs_i, HALF + offs_i
+    # Queries: q[n, h, NOPE:] -> q_out[n, h, :] (evens then odds when interleaved).
+    offs_h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    h_ok = offs_h < H
+    q_row = q_ptr + n * stride_qn + offs_h * stride_qh + NOPE
+    x1 = tl.load(q_row + first[None, :], mask=h_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(q_row + second[None, :], mask=h_ok, other=0.0).to(tl.float32)
+    a, b = _rotate(x1, x2, cos, sin, dtype)
+    out_row = q_out_ptr + (n * H + offs_h) * (2 * HALF)
+    tl.store(out_row + offs_i[None, :], a.to(dtype), mask=h_ok)
+    tl.store(out_row + HALF + offs_i[None, :], b.to(dtype), mask=h_ok)
+    # Latent entry: [rms_norm(c_kv) * w | rotated k_rope] at the token's flat cache slot.
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    kv_row = kv_ptr + n * stride_kvn
+    entry = cache_ptr + slot * (R + 2 * HALF)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    c = tl.load(kv_row + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)
+    w = tl.load(w_ptr + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    c = w * _round(c * rstd, dtype)
+    tl.store(entry + offs_r, c.to(dtype).to(cache_dtype), mask=r_ok)
+    k1 = tl.load(kv_row + R + first[None, :]).to(tl.float32)  # [1, HALF]
+    k2 = tl.load(kv_row + R + second[None, :]).to(tl.float32)
+    ka, kb = _rotate(k1, k2, cos, sin, dtype)
+    tl.store(entry + R + offs_i[None, :], ka.to(dtype).to(cache_dtype))
+    tl.store(entry + R + HALF + offs_i[None, :], kb.to(dtype).to(cache_dtype))
+
+
+def rope_and_store_latent(
+    q: Tensor,  # [N, heads, nope + rope] (last dim contiguous)
+    kv: Tensor,  # [N, kv_rank + rope] output of kv_a_proj_with_mqa (last dim contiguous)
+    norm_weight: Tensor,  # [kv_rank] kv_a_layernorm weight
+    eps: float,
+    cos: Tensor,  # [N, rope/2]
+    sin: Tensor,  # [N, rope/2]
+    kv_cache: Tensor,  # [num_blocks, block_size, kv_rank + rope] one layer, contiguous
+    slot_mapping: Tensor,  # [N] flat slots
+    nope_dim: int,
+    interleave: bool,
+) -> Tensor:  # [N, heads, rope] rotated query rope part
+    N, H, _ = q.shape
+    rope_dim = q.shape[-1] - nope_dim
+    rank = kv.shape[-1] - rope_dim
+    assert q.stride(-1) == 1 and kv.stride(-1) == 1 and kv_cache.is_contiguous()
+    assert rope_dim % 2 == 0 and triton.next_power_of_2(rope_dim // 2) == rope_dim // 2
+    q_rope = torch.empty(N, H, rope_dim, dtype=q.dtype, device=q.device)
+    if N:
+        _rope_latent_kernel[(N,)](
+            q, kv, norm_weight, cos.contiguous(), sin.contiguous(), q_rope, kv_cache, slot_mapping,
+            q.stride(0), q.stride(1), kv.stride(0), H, eps,
+            NOPE=nope_dim, HALF=rope_dim // 2, R=rank, BLOCK_H=triton.next_power_of_2(H),
+            BLOCK_R=triton.next_power_of_2(rank), INTERLEAVE=interleave,
+        )
+    return q_rope

@@ -1,0 +1,79 @@
+"""Fused layer kernels (engine/kernels/fused_layers.py) vs the model's PyTorch path.
+
+``check_fused(name, device)`` builds random inputs, runs the model's own PyTorch code (``RMSNorm``
+under autograd so it cannot take the fused path; ``RotaryEmbedding.rotate`` + ``write_kv``) and
+the kernel, and returns ``(max abs error, tolerance)``. Cache slots the kernel must not touch
+hold garbage and are compared too. Used under the Triton interpreter on CPU and on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.reference import write_kv
+from engine.model.config import ModelConfig
+from engine.model.layers import RMSNorm
+from engine.model.rope import RotaryEmbedding
+
+# name -> (dtype, heads, nope, rope, kv_rank, interleave, tokens)
+FUSED_CASES: dict[str, tuple[torch.dtype, int, int, int, int, bool, int]] = {
+    "fp32_interleave": (torch.float32, 6, 64, 32, 128, True, 7),
+    "fp16_plain": (torch.float16, 3, 16, 16, 40, False, 5),
+    "fp32_deepseek_sizes": (torch.float32, 4, 128, 64, 512, True, 3),
+    "bf16_interleave": (torch.bfloat16, 5, 32, 32, 64, True, 9),
+}
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+def check_rms_norm(name: str, device: str) -> tuple[float, float]:
+    from engine.kernels.fused_layers import rms_norm
+
+    dtype, *_ = FUSED_CASES[name]
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    norm = norm.to(device=device, dtype=dtype)
+    wide = (torch.randn(7, 130, generator=gen) * 3).to(device=device, dtype=dtype)
+    x = wide[:, 10:106]  # [7, 96] rows strided like a slice of a projection output
+    with torch.enable_grad():
+        want = norm(x.detach().requires_grad_(dtype.is_floating_point)).detach()
+    got = rms_norm(x, norm.weight, norm.eps)
+    assert got.dtype == dtype and got.shape == want.shape
+    return (got.double() - want.double()).abs().max().item(), _tol(dtype)
+
+
+def check_rope_latent(name: str, device: str) -> tuple[float, float]:
+    from engine.kernels.fused_layers import rope_and_store_latent
+
+    dtype, heads, nope, rope_dim, rank, interleave, n = FUSED_CASES[name]
+    cfg = ModelConfig.from_hf_dict({
+        "model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": heads, "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope_dim, "kv_lora_rank": rank, "v_head_dim": 16,
+        "rope_interleave": interleave, "vocab_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+    })
+    rope = RotaryEmbedding(cfg).to(device)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(n, heads, nope + rope_dim, generator=gen).to(device=device, dtype=dtype)
+    kv = (torch.randn(n, rank + rope_dim, generator=gen) * 2).to(device=device, dtype=dtype)
+    norm = RMSNorm(rank, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(rank, generator=gen))
+    norm = norm.to(device=device, dtype=dtype)
+    positions = torch.randint(0, 2000, (n,), generator=gen).to(device)
+    cos, sin = rope.cos_sin(positions, dtype)
+    cache = torch.full((4, 8, rank + rope_dim), 77.0, dtype=dtype, device=device)
+    slots = torch.randperm(32, generator=gen)[:n].to(device)
+    want_cache = cache.clone()
+    with torch.enable_grad():  # the PyTorch path of RMSNorm
+        c_kv = norm(kv[:, :rank].detach().requires_grad_()).detach()
+    want_q = rope.rotate(q[..., nope:], cos[:, None, :], sin[:, None, :])
+    k_rope = rope.rotate(kv[:, rank:], cos, sin)
+    write_kv(want_cache, slots, torch.cat([c_kv, k_rope], dim=-1))
+    got_q = rope_and_store_latent(q, kv, norm.weight, norm.eps, cos, sin, cache, slots, nope, interleave)
+    err = max((got_q.double() - want_q.double()).abs().max().item(),
+              (cache.double() - want_cache.double()).abs().max().item())
+    return err, _tol(dtype)
