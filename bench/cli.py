@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 
 
+def _budgets(text: str) -> list[int | str]:
+    return [int(t) if t.strip().isdigit() else t.strip() for t in text.split(",") if t.strip()]
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -60,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--modes", type=_strs,
                      default=["chain", "tree", "adaptive", "transformers", "transformers-mtp"],
                      help="comma list; ar always runs")
-    off.add_argument("--tree-budgets", type=_ints, default=None,
-                     help="draft tokens per tree mode (default CPU 4,8; GPU 8,32,64)")
+    off.add_argument("--tree-budgets", type=_budgets, default=None,
+                     help="per tree mode: draft tokens of the default shape, or TOPKxDEPTH-N "
+                          "(e.g. 32,4x8-40; default CPU 4,8; GPU 8,32,64)")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--warmup-tokens", type=int, default=None,
                      help="tokens of the warm-up round (default CPU 8; GPU: --max-new-tokens)")

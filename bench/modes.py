@@ -28,7 +28,21 @@ class ModeSpec:
         return self.mode in ENGINE_MODES
 
 
-def build_modes(modes: list[str], tree_budgets: list[int]) -> list[ModeSpec]:
+def _tree_mode(budget: int | str) -> ModeSpec:
+    """``32`` -> the default shape with 32 draft tokens; ``"4x8-40"`` -> topk 4, depth 8, 40 tokens."""
+    if isinstance(budget, int) or budget.isdigit():
+        b = int(budget)
+        return ModeSpec("tree", f"tree-{b}" if b else "tree", SpecConfig(method="tree", num_draft_tokens=b or None))
+    try:
+        width, rest = budget.split("x")
+        depth, tokens = rest.split("-")
+        spec = SpecConfig(method="tree", topk=int(width), depth=int(depth), num_draft_tokens=int(tokens))
+    except ValueError as exc:
+        raise ValueError(f"tree budget {budget!r}: expected N or TOPKxDEPTH-N, e.g. 32 or 4x8-40") from exc
+    return ModeSpec("tree", f"tree-{budget}", spec)
+
+
+def build_modes(modes: list[str], tree_budgets: list[int | str]) -> list[ModeSpec]:
     """Mode specs in run order; ``ar`` first since every other mode is compared with it."""
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
@@ -38,10 +52,8 @@ def build_modes(modes: list[str], tree_budgets: list[int]) -> list[ModeSpec]:
         if mode == "chain":
             out.append(ModeSpec("chain", "chain", SpecConfig(method="chain")))
         elif mode == "tree":
-            budgets = tree_budgets or [0]
-            for b in budgets:  # 0: the device default shape
-                spec = SpecConfig(method="tree", num_draft_tokens=b or None)
-                out.append(ModeSpec("tree", f"tree-{b}" if b else "tree", spec))
+            for b in tree_budgets or [0]:  # 0: the device default shape
+                out.append(_tree_mode(b))
         elif mode == "adaptive":
             out.append(ModeSpec("adaptive", "adaptive", SpecConfig(method="adaptive")))
         elif mode in HF_MODES:

@@ -43,7 +43,8 @@ class OfflineSettings:
     num_prompts: int | None = None  # None: the largest batch size
     modes: list[str] = field(default_factory=lambda: ["chain", "tree", "adaptive", "transformers",
                                                       "transformers-mtp"])
-    tree_budgets: list[int] = field(default_factory=list)  # empty: the device default tree
+    # Draft tokens (default shape) or TOPKxDEPTH-N shapes per tree mode; empty: the default tree.
+    tree_budgets: list[int | str] = field(default_factory=list)
     repeats: int = 3
     warmup_tokens: int = 8  # 0: max_new_tokens
     check_batch: int | None = None  # None: the largest batch size

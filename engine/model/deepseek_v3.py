@@ -91,6 +91,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Normalised hidden [..., H] -> logits [..., V] in float32."""
         return self.lm_head(hidden).float()
 
+    def draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalised hidden [..., H] -> log-probabilities [..., V] in float32 (one softmax)."""
+        return torch.log_softmax(self.lm_head(hidden), dim=-1, dtype=torch.float32)
+
     # ---- inference over the paged cache ----
     def forward_target(
         self,

@@ -57,6 +57,61 @@ class GreedyStepResult:
     child_ranks: list[int]  # [a] sibling rank of the accepted node at depth j + 1
 
 
+_POS, _WIN, _QON, _QOFF, _KEEP = range(5)  # columns of _RowPlan.meta
+
+
+@dataclass
+class _RowPlan:
+    """The rows of one MTP forward of the step (depth ``m``), precomputed for every ``c``.
+
+    Rows: ``C`` catch-up rows (tokens committed since the module's last step, the first ``c``
+    valid) when ``m <= k``, then ``K`` frontier rows (the nodes of depth ``m - 1``) when
+    ``2 <= m <= D``. ``meta[c, r]`` holds, for row ``r`` when ``c`` catch-up rows are valid: its
+    position minus ``L``, its index in the step's slot window (positions ``L - k - C + 1 + w``),
+    the query context as ``ctx * on + off``, and whether the row is committed (kept in the cache).
+    ``mask[c]`` is the rows' mask among themselves. The module's committed entries before the
+    rows: ``ctx = L - c_coeff * c + ctx_offset``.
+    """
+
+    module: int
+    catch_up: bool
+    frontier: bool
+    rows: int
+    c_coeff: int
+    ctx_offset: int
+    meta: Tensor  # [C + 1, R, 5] long
+    mask: Tensor  # [C + 1, R, R] bool
+
+    @classmethod
+    def build(cls, m: int, k: int, K: int, C: int, D: int, device: torch.device) -> _RowPlan:
+        module = min(m, k)
+        catch_up, frontier = m <= k, 2 <= m <= D
+        n_catch = C if catch_up else 0
+        R = n_catch + (K if frontier else 0)
+        band = max(module - 1, 1)
+        meta = torch.zeros(C + 1, R, 5, dtype=torch.long)
+        mask = torch.zeros(C + 1, R, R, dtype=torch.bool)
+        for c in range(1, C + 1):
+            ctx_from_base = k + C - module - c if catch_up else C  # ctx - (L - k - C + 1)
+            for r in range(R):
+                meta[c, r, _WIN] = ctx_from_base + r
+                mask[c, r, r] = True
+                if r < n_catch:  # catch-up row j = r
+                    valid = r < c
+                    meta[c, r, _POS] = 1 - c + r
+                    meta[c, r, _QON] = int(valid)
+                    meta[c, r, _QOFF] = min(0, r - module + 2) if valid else 0
+                    meta[c, r, _KEEP] = int(valid)
+                    for j in range(r - band + 1 if valid else 0):
+                        mask[c, r, j] = True
+                else:  # frontier row: sees the valid catch-up rows and itself
+                    meta[c, r, _POS] = m - 1
+                    meta[c, r, _QON] = 1
+                    mask[c, r, :min(c, n_catch)] = True
+        return cls(module, catch_up, frontier, R, int(catch_up), 1 - (module if catch_up else k),
+                   meta.to(device), mask.to(device))
+
+
 class _Buffers:
     """Static inputs and outputs of one batch bucket."""
 
@@ -78,6 +133,10 @@ class _Buffers:
         self.dst_slots = torch.zeros(bucket * P, dtype=torch.long, device=dev)
         self.keep = torch.zeros(bucket * P, dtype=torch.bool, device=dev)
         self.reject_slots = torch.zeros(bucket * (g.N + 1 - P), dtype=torch.long, device=dev)
+        rows = {p.rows for p in g.plans} | {g.N + 1}
+        self.query_start = {  # rows per sequence -> [bucket + 1] int32 offsets
+            r: (torch.arange(bucket + 1, device=dev) * r).to(torch.int32) for r in rows
+        }
         self.graph: torch.cuda.CUDAGraph | None = None
         self.rollback_graph: torch.cuda.CUDAGraph | None = None
 
@@ -126,6 +185,14 @@ class GraphedGreedyTree:
         # Candidate depth of each candidate index (depth-major creation order).
         depths = [1] * self.K + [m for m in range(2, self.D + 1) for _ in range(self.K * self.K)]
         self.cand_depth = torch.tensor(depths, dtype=torch.long, device=self.device)  # [T]
+        self.plans = [_RowPlan.build(m, self.k, self.K, self.C, self.D, self.device)
+                      for m in range(1, max(self.D, self.k) + 1)]
+        self.tree_window_start = self.k + self.C - 1  # window index of position L (the root)
+        width = max(max(int(p.meta[1:, :, _WIN].max()) for p in self.plans) + 1,
+                    self.tree_window_start + self.N + 1)
+        self.window_offsets = torch.arange(width, device=self.device) - self.tree_window_start  # [W]
+        self.root_parents = torch.full((1, self.K), -1, dtype=torch.long, device=self.device)
+        self.first_frontier = torch.arange(self.K, device=self.device)  # [K] candidates 0..K-1
         scratch_tokens = self.k + self.C + self.K + self.N + 2
         self.scratch = pool.allocate(-(-scratch_tokens // self.block_size), BlockOwner("graph-padding"))
         self.scratch_index = torch.tensor(self.scratch, device=self.device)
@@ -287,86 +354,56 @@ class GraphedGreedyTree:
     def _mtp_forward(
         self,
         buf: _Buffers,
-        module: int,
-        ctx: Tensor,  # [B] committed entries of the module's cache
-        catch: tuple[Tensor, Tensor] | None,  # (tokens [B, C], prev [B, C, H]) or None
-        front: tuple[Tensor, Tensor, Tensor] | None,  # (tokens [B, K], prev [B, K, H], rope pos [B])
-        band: int,
+        plan: _RowPlan,
+        window: Tensor,  # [B, W] flat slots of positions WINDOW_BASE + w (see _RowPlan)
+        tokens: Tensor,  # [B, R] token of each row
+        prev: Tensor,  # [B, R, H] previous depth's hidden of each row
     ) -> Tensor:  # [B, R, H]
-        B, C, K = buf.bucket, self.C, self.K
-        dev = self.device
-        parts_ids, parts_prev, parts_pos, parts_qctx = [], [], [], []
-        n_catch = C if catch is not None else 0
-        n_front = K if front is not None else 0
-        R = n_catch + n_front
-        r = torch.arange(R, device=dev)
-        valid_catch = torch.arange(C, device=dev)[None] < buf.c[:, None]  # [B, C]
-        if catch is not None:
-            tokens, prev = catch
-            j = torch.arange(C, device=dev)
-            parts_ids.append(tokens)
-            parts_prev.append(prev)
-            parts_pos.append(buf.L[:, None] - buf.c[:, None] + 1 + j)  # t + d
-            qctx = torch.minimum(ctx[:, None], ctx[:, None] + j - module + 2)
-            parts_qctx.append(torch.where(valid_catch, qctx, 0))
-        if front is not None:
-            tokens, prev, pos = front
-            parts_ids.append(tokens)
-            parts_prev.append(prev)
-            parts_pos.append(pos[:, None].expand(B, K))
-            parts_qctx.append(ctx[:, None].expand(B, K))
-        ids = torch.cat(parts_ids, 1)  # [B, R]
-        prev_h = torch.cat(parts_prev, 1)  # [B, R, H]
-        positions = torch.cat(parts_pos, 1)  # [B, R]
-        qctx = torch.cat(parts_qctx, 1)  # [B, R]
-        # New-row mask [B, R, R]: catch-up rows follow the band rule among valid rows; frontier
-        # rows see every valid catch-up row and themselves; padding rows only themselves.
-        diff = r[:, None] - r[None, :]
-        mask = (diff == 0).expand(B, R, R).clone()
-        if catch is not None:
-            vc = valid_catch
-            band_ok = (diff[:C, :C] >= band)[None] & vc[:, :, None]  # [B, C, C]
-            mask[:, :C, :C] |= band_ok
-            if front is not None:
-                mask[:, C:, :C] = vc[:, None, :].expand(B, K, C)
-        slots = self._slots(buf.tables, ctx[:, None] + r)  # [B, R]
+        B, R = buf.bucket, plan.rows
+        meta = plan.meta.index_select(0, buf.c)  # [B, R, 5] this step's row layout
+        mask = plan.mask.index_select(0, buf.c)  # [B, R, R]
+        ctx = buf.L - plan.c_coeff * buf.c + plan.ctx_offset  # [B] committed module entries
+        slots = window.gather(1, meta[..., _WIN])  # [B, R]
         batch = AttentionBatch(
-            positions=positions.reshape(-1),
+            positions=(buf.L[:, None] + meta[..., _POS]).reshape(-1),
             slot_mapping=slots.reshape(-1),
             block_tables=buf.tables,
             ctx_lens=ctx.to(torch.int32),
-            query_start=(torch.arange(B + 1, device=dev) * R).to(torch.int32),
+            query_start=buf.query_start[R],
             new_mask=mask.reshape(B * R, R),
-            query_ctx_lens=qctx.reshape(-1).to(torch.int32),
+            query_ctx_lens=(ctx[:, None] * meta[..., _QON] + meta[..., _QOFF]).reshape(-1).to(torch.int32),
         )
         hidden = self.model.forward_mtp(
-            module, prev_h.reshape(B * R, -1), ids.reshape(-1), batch, self.pool.kv_cache
+            plan.module, prev.reshape(B * R, -1), tokens.reshape(-1), batch, self.pool.kv_cache
         )
         # Everything past the committed rows was a draft or padding: zero it now.
-        committed = r[None] < (buf.c[:, None] if catch is not None else 0)  # [B, R]
-        zero = torch.where(committed, self.trash_slot, slots).reshape(-1)
-        layer = self.pool.kv_cache[self.model.mtp_cache_layer(module)]
+        zero = torch.where(meta[..., _KEEP].bool(), self.trash_slot, slots).reshape(-1)
+        layer = self.pool.kv_cache[self.model.mtp_cache_layer(plan.module)]
         layer.view(-1, layer.shape[-1]).index_fill_(0, zero, 0)
         return hidden.view(B, R, -1)
 
     def _draft_verify_accept(self, buf: _Buffers) -> None:
-        B, C, K, D, N, k = buf.bucket, self.C, self.K, self.D, self.N, self.k
-        dev = self.device
+        B, C, K, D, N, k, H = buf.bucket, self.C, self.K, self.D, self.N, self.k, self.hidden_size
         L, c = buf.L, buf.c
-        last = (c - 1)[:, None, None].expand(B, 1, self.hidden_size)  # gather index of row c-1
+        window = self._slots(buf.tables, (L[:, None] + self.window_offsets).clamp(min=0))  # [B, W]
+        last = (c - 1)[:, None, None].expand(B, 1, H)  # gather index of row c-1
         cand_tok, cand_score, cand_parent = [], [], []
-        front: tuple[Tensor, Tensor, Tensor] | None = None
-        front_score = front_idx = None
+        front_tok = front_prev = front_score = front_idx = None
         prev_catch = buf.rows0
         next_carry = []
-        for m in range(1, max(D, k) + 1):
-            module = min(m, k)
-            catch = (buf.tail, prev_catch) if m <= k else None
-            ctx = L - module - c + 1 if m <= k else L - k + 1
-            out = self._mtp_forward(
-                buf, module, ctx, catch, front if 2 <= m <= D else None, band=max(module - 1, 1)
-            )
-            if m <= k:
+        for m, plan in enumerate(self.plans, start=1):
+            tok_parts, prev_parts = [], []
+            if plan.catch_up:
+                tok_parts.append(buf.tail)
+                prev_parts.append(prev_catch)
+            if plan.frontier:
+                assert front_tok is not None and front_prev is not None
+                tok_parts.append(front_tok)
+                prev_parts.append(front_prev)
+            tokens = torch.cat(tok_parts, 1) if len(tok_parts) > 1 else tok_parts[0]  # [B, R]
+            prev = torch.cat(prev_parts, 1) if len(prev_parts) > 1 else prev_parts[0]  # [B, R, H]
+            out = self._mtp_forward(buf, plan, window, tokens, prev)
+            if plan.catch_up:
                 last_row = out[:, :C].gather(1, last)  # [B, 1, H] hidden at index L - m
                 if m < k:
                     next_carry.append(last_row)
@@ -374,47 +411,43 @@ class GraphedGreedyTree:
             if m > D:
                 continue
             if m == 1:
-                logp = torch.log_softmax(self.model.logits(last_row[:, 0]), -1)  # [B, V]
-                score, token = logp.topk(K, -1)  # [B, K]
+                score, token = self.model.draft_logprobs(last_row[:, 0]).topk(K, -1)  # [B, K]
                 cand_tok.append(token)
                 cand_score.append(score)
-                cand_parent.append(torch.full((B, K), -1, device=dev))
-                front_score, front_idx = score, torch.arange(K, device=dev).expand(B, K)
-                front_prev = last_row.expand(B, K, self.hidden_size)
+                cand_parent.append(self.root_parents.expand(B, K))
+                front_score, front_idx = score, self.first_frontier.expand(B, K)
+                front_prev = last_row.expand(B, K, H)
             else:
                 assert front_score is not None and front_idx is not None
                 front_out = out[:, -K:]  # [B, K, H] hidden of each frontier node
-                logp = torch.log_softmax(self.model.logits(front_out), -1)  # [B, K, V]
-                child_logp, child_tok = logp.topk(K, -1)  # [B, K, K]
+                child_logp, child_tok = self.model.draft_logprobs(front_out).topk(K, -1)  # [B, K, K]
                 child_score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
-                base = K + (m - 2) * K * K
                 cand_tok.append(child_tok.reshape(B, K * K))
                 cand_score.append(child_score)
                 cand_parent.append(front_idx[:, :, None].expand(B, K, K).reshape(B, K * K))
                 front_score, pick = child_score.topk(K, -1)  # [B, K]
                 token = child_tok.reshape(B, K * K).gather(1, pick)
-                front_idx = base + pick
-                front_prev = front_out.gather(1, (pick // K)[:, :, None].expand(B, K, self.hidden_size))
-            front = (token, front_prev, L + m)  # frontier rows sit at hidden index L - 1
+                front_idx = pick + (K + (m - 2) * K * K)
+                front_prev = front_out.gather(1, (pick // K)[:, :, None].expand(B, K, H))
+            front_tok = token  # the next depth's frontier rows: these nodes, at position L + m
         sel, P = select_nodes(torch.cat(cand_score, 1), torch.cat(cand_parent, 1), N)  # [B, N], [B, N+1]
         root = buf.tail.gather(1, (c - 1)[:, None])  # [B, 1]
         tree_tok = torch.cat([root, torch.cat(cand_tok, 1).gather(1, sel)], 1)  # [B, N+1]
         depth = torch.cat([torch.zeros_like(root), self.cand_depth[sel]], 1)  # [B, N+1]
         anc = ancestor_mask(P, D)  # [B, N+1, N+1]
         # One target forward over every tree.
-        node = torch.arange(N + 1, device=dev)
-        tree_slots = self._slots(buf.tables, L[:, None] + node)  # [B, N+1]
+        tree_slots = window[:, self.tree_window_start : self.tree_window_start + N + 1]  # [B, N+1]
         batch = AttentionBatch(
             positions=(L[:, None] + depth).reshape(-1),
             slot_mapping=tree_slots.reshape(-1),
             block_tables=buf.tables,
             ctx_lens=L.to(torch.int32),
-            query_start=(torch.arange(B + 1, device=dev) * (N + 1)).to(torch.int32),
+            query_start=buf.query_start[N + 1],
             new_mask=anc.reshape(B * (N + 1), N + 1),
         )
         hidden = self.model.forward_target(tree_tok.reshape(-1), batch, self.pool.kv_cache)
         hidden = hidden.view(B, N + 1, -1)
-        target = self.model.logits(hidden).argmax(-1)  # [B, N+1]
+        target = self.model.lm_head(hidden).argmax(-1)  # [B, N+1] (the argmax of the logits)
         acc = accept_greedy(tree_tok, P, depth, target, D)
         path = acc.path  # [B, D+1]
         buf.packed.copy_(torch.cat([
@@ -422,7 +455,7 @@ class GraphedGreedyTree:
             acc.sibling_rank.long(),
         ], 1))  # fmt: skip
         # Next step's module-1 inputs: the verify hidden states of the accepted path.
-        buf.next_rows.copy_(hidden.gather(1, path[:, :, None].expand(B, D + 1, self.hidden_size)))
+        buf.next_rows.copy_(hidden.gather(1, path[:, :, None].expand(B, D + 1, H)))
         if next_carry:
             buf.next_carry.copy_(torch.cat(next_carry, 1))
         # Rollback indices: accepted path -> contiguous slots L..L+a, everything else zeroed.

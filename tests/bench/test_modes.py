@@ -1,0 +1,27 @@
+"""Benchmark mode specs: tree budgets as draft-token counts or explicit shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.modes import build_modes
+
+
+def test_tree_budgets_and_shapes() -> None:
+    modes = build_modes(["tree", "chain"], [0, 32, "4x8-40"])
+    assert [m.label for m in modes] == ["ar", "tree", "tree-32", "tree-4x8-40", "chain"]
+    shaped = modes[3].spec
+    assert shaped is not None and (shaped.topk, shaped.depth, shaped.num_draft_tokens) == (4, 8, 40)
+    assert modes[2].spec is not None and modes[2].spec.num_draft_tokens == 32
+    assert modes[2].spec.topk is None  # the device default shape
+
+
+@pytest.mark.parametrize("bad", ["4x8", "x-3", "wide"])
+def test_malformed_tree_shape_is_a_clear_error(bad: str) -> None:
+    with pytest.raises(ValueError, match="TOPKxDEPTH-N"):
+        build_modes(["tree"], [bad])
+
+
+def test_unknown_mode_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown modes"):
+        build_modes(["tree", "medusa"], [])
