@@ -5,13 +5,13 @@ RMSNorm in PyTorch is four kernels (cast, normalise, cast back, weight), RoPE on
 keys plus the latent-cache write about sixteen. These kernels do each in one launch:
 
 - ``rms_norm``: ``weight * rms_norm(x.float()).to(x.dtype)`` per row;
-- ``rope_and_store_latent``: per token, rotates the rope part of every head's query into a new
-  tensor, and normalises ``c_kv``, rotates ``k_rope`` and stores ``[c_kv | k_rope]`` at the
-  token's cache slot.
+- ``rope_and_store_latent``: per token, computes cos/sin of its position, rotates the rope part
+  of every head's query into a new tensor, and normalises ``c_kv``, rotates ``k_rope`` and
+  stores ``[c_kv | k_rope]`` at the token's cache slot.
 
-Both round where the PyTorch path rounds (after the normalisation, after each product of the
-rotation), so in bfloat16 they agree with it to the last bit but for the order of the fp32
-reduction. References: ``engine/model/fused.py``; tests: ``tests/engine/kernels``.
+Both round where the PyTorch path rounds (after the normalisation, cos/sin, each product of
+the rotation), so in bfloat16 they agree with it to the last bit but for the order of the fp32
+reduction and the last bit of fp32 cos/sin. References: ``engine/model/fused.py``; tests: ``tests/engine/kernels``.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rope_latent_kernel(
-    q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, q_out_ptr, cache_ptr, slot_ptr,
-    stride_qn, stride_qh, stride_kvn, H, eps,
+    q_ptr, kv_ptr, w_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, cache_ptr, slot_ptr,
+    stride_qn, stride_qh, stride_kvn, H, eps, attention_factor,
     NOPE: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
@@ -73,8 +73,10 @@ def _rope_latent_kernel(
     dtype = q_out_ptr.dtype.element_ty
     cache_dtype = cache_ptr.dtype.element_ty
     offs_i = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + n * HALF + offs_i).to(tl.float32)[None, :]  # [1, HALF]
-    sin = tl.load(sin_ptr + n * HALF + offs_i).to(tl.float32)[None, :]
+    # cos/sin of the token's position, as RotaryEmbedding.cos_sin computes and rounds them.
+    freqs = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_freq_ptr + offs_i)  # [HALF]
+    cos = _round(tl.cos(freqs) * attention_factor, dtype)[None, :]  # [1, HALF]
+    sin = _round(tl.sin(freqs) * attention_factor, dtype)[None, :]
     if INTERLEAVE:  # pairs (x0, x1), (x2, x3)...
         first, second = 2 * offs_i, 2 * offs_i + 1
     else:
@@ -112,8 +114,9 @@ def rope_and_store_latent(
     kv: Tensor,  # [N, kv_rank + rope] output of kv_a_proj_with_mqa (last dim contiguous)
     norm_weight: Tensor,  # [kv_rank] kv_a_layernorm weight
     eps: float,
-    cos: Tensor,  # [N, rope/2]
-    sin: Tensor,  # [N, rope/2]
+    positions: Tensor,  # [N] RoPE position of each token
+    inv_freq: Tensor,  # [rope/2] float32
+    attention_factor: float,
     kv_cache: Tensor,  # [num_blocks, block_size, kv_rank + rope] one layer, contiguous
     slot_mapping: Tensor,  # [N] flat slots
     nope_dim: int,
@@ -127,8 +130,8 @@ def rope_and_store_latent(
     q_rope = torch.empty(N, H, rope_dim, dtype=q.dtype, device=q.device)
     if N:
         _rope_latent_kernel[(N,)](
-            q, kv, norm_weight, cos.contiguous(), sin.contiguous(), q_rope, kv_cache, slot_mapping,
-            q.stride(0), q.stride(1), kv.stride(0), H, eps,
+            q, kv, norm_weight, positions, inv_freq, q_rope, kv_cache, slot_mapping,
+            q.stride(0), q.stride(1), kv.stride(0), H, eps, attention_factor,
             NOPE=nope_dim, HALF=rope_dim // 2, R=rank, BLOCK_H=triton.next_power_of_2(H),
             BLOCK_R=triton.next_power_of_2(rank), INTERLEAVE=interleave,
         )

@@ -28,12 +28,11 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [N, H]
         rope: RotaryEmbedding,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None,  # cos, sin [N, rope/2]; None: fused
         batch: AttentionBatch,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, latent]
     ) -> torch.Tensor:
-        x = x + self.self_attn.forward_paged(self.input_layernorm(x), rope, cos, sin, batch, kv_cache)
+        x = x + self.self_attn.forward_paged(self.input_layernorm(x), rope, rope_tables, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_dense(

@@ -18,6 +18,7 @@ from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.decoder_layer import DecoderLayer, MTPLayer
 from engine.model.layers import RMSNorm
+from engine.model.mla import MultiHeadLatentAttention
 from engine.model.rope import RotaryEmbedding
 
 
@@ -96,6 +97,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         return torch.log_softmax(self.lm_head(hidden), dim=-1, dtype=torch.float32)
 
     # ---- inference over the paged cache ----
+    def _rope_tables(self, x: torch.Tensor, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin of the batch's positions, once per forward; None where the fused kernel
+        computes them itself (every layer's attention has the same shapes)."""
+        attn = self.model.layers[0].self_attn
+        assert isinstance(attn, MultiHeadLatentAttention)
+        if attn.fused_kernels_apply(x):
+            return None
+        return self.rope.cos_sin(batch.positions, x.dtype)
+
     def forward_target(
         self,
         input_ids: torch.Tensor,  # [N]
@@ -104,9 +114,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Main model on the batch's new tokens -> final-normed hidden [N, H]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
+        rope_tables = self._rope_tables(x, batch)
         for i, layer in enumerate(self.main_layers):
-            x = layer.forward_paged(x, self.rope, cos, sin, batch, kv_cache[i])
+            x = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[i])
         return self.model.norm(x)
 
     def forward_mtp(
@@ -120,8 +130,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         """MTP module ``depth`` -> its normalised hidden [N, H] (logits via ``self.logits``)."""
         layer = self.mtp_layer(depth)
         x = layer.fuse_inputs(self.model.embed_tokens(input_ids), prev_hidden)
-        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
-        x = layer.forward_paged(x, self.rope, cos, sin, batch, kv_cache[self.mtp_cache_layer(depth)])
+        rope_tables = self._rope_tables(x, batch)
+        x = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])
         return layer.shared_head.norm(x)
 
     # ---- training / reference over whole sequences ----

@@ -79,12 +79,11 @@ class MultiHeadLatentAttention(nn.Module):
         self,
         x: torch.Tensor,  # [N, H]
         rope: RotaryEmbedding,
-        cos: torch.Tensor,  # [N, rope/2]
-        sin: torch.Tensor,  # [N, rope/2]
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None,  # cos, sin [N, rope/2]; None: fused
         batch: AttentionBatch,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_rank + rope] this layer's cache
     ) -> torch.Tensor:
-        q_nope, q_rope = self._rope_and_store_latent(x, rope, cos, sin, batch.slot_mapping, kv_cache)
+        q_nope, q_rope = self._rope_and_store_latent(x, rope, rope_tables, batch, kv_cache)
         w_uk, w_uv = self._absorb_weights()
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, heads, kv_rank]
         out_latent = paged_mla_attention(
@@ -101,28 +100,36 @@ class MultiHeadLatentAttention(nn.Module):
         out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)  # [N, heads, v]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
 
+    def fused_kernels_apply(self, x: torch.Tensor) -> bool:
+        """The fused RoPE + latent-store kernel serves this layer's inference on ``x``."""
+        half = self.rope_dim // 2
+        return use_fused_kernels(x) and self.kv_a_layernorm.weight.dtype == x.dtype and half & (half - 1) == 0
+
     def _rope_and_store_latent(
         self,
         x: torch.Tensor,  # [N, H]
         rope: RotaryEmbedding,
-        cos: torch.Tensor,  # [N, rope/2]
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [N]
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None,  # cos, sin [N, rope/2]
+        batch: AttentionBatch,
         kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q_nope [N, heads, nope], rotated q_rope [N, heads, rope]
-        """Queries, and the tokens' latent entries [c_kv | rotated k_rope] written to the cache."""
+        """Queries, and the tokens' latent entries [c_kv | rotated k_rope] written to the cache.
+
+        ``rope_tables`` None (the caller's ``rope.tables_for``): the fused kernel computes cos/sin.
+        """
         norm = self.kv_a_layernorm
-        half = self.rope_dim // 2
-        if use_fused_kernels(x) and norm.weight.dtype == x.dtype and half & (half - 1) == 0:
+        if rope_tables is None and self.fused_kernels_apply(x):
             from engine.kernels.fused_layers import rope_and_store_latent
 
             q = self._project_queries(x)
             kv = self.kv_a_proj_with_mqa(x)  # [N, kv_rank + rope]
             q_rope = rope_and_store_latent(
-                q, kv, norm.weight, norm.eps, cos, sin, kv_cache, slot_mapping, self.nope_dim,
-                rope.interleave,
-            )  # one launch for the rotations, the norm and the cache write
+                q, kv, norm.weight, norm.eps, batch.positions, rope.inv_freq, rope.attention_factor,
+                kv_cache, batch.slot_mapping, self.nope_dim, rope.interleave,
+            )  # one launch for cos/sin, the rotations, the norm and the cache write
             return q[..., : self.nope_dim], q_rope
+        cos, sin = rope_tables if rope_tables is not None else rope.cos_sin(batch.positions, x.dtype)
+        slot_mapping = batch.slot_mapping
         q_nope, q_rope = self._queries(x)  # [N, heads, nope], [N, heads, rope]
         c_kv, k_rope = self._latents(x)  # [N, kv_rank], [N, rope]
         q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])

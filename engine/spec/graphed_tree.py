@@ -40,7 +40,7 @@ from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.sequence import Sequence
-from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes
+from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes, topk_last
 from engine.spec.drafter import TreeBudget
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -411,7 +411,7 @@ class GraphedGreedyTree:
             if m > D:
                 continue
             if m == 1:
-                score, token = self.model.draft_logprobs(last_row[:, 0]).topk(K, -1)  # [B, K]
+                score, token = topk_last(self.model.draft_logprobs(last_row[:, 0]), K)  # [B, K]
                 cand_tok.append(token)
                 cand_score.append(score)
                 cand_parent.append(self.root_parents.expand(B, K))
@@ -420,7 +420,7 @@ class GraphedGreedyTree:
             else:
                 assert front_score is not None and front_idx is not None
                 front_out = out[:, -K:]  # [B, K, H] hidden of each frontier node
-                child_logp, child_tok = self.model.draft_logprobs(front_out).topk(K, -1)  # [B, K, K]
+                child_logp, child_tok = topk_last(self.model.draft_logprobs(front_out), K)  # [B, K, K]
                 child_score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
                 cand_tok.append(child_tok.reshape(B, K * K))
                 cand_score.append(child_score)

@@ -21,7 +21,9 @@ FUSED_CASES: dict[str, tuple[torch.dtype, int, int, int, int, bool, int]] = {
     "fp16_plain": (torch.float16, 3, 16, 16, 40, False, 5),
     "fp32_deepseek_sizes": (torch.float32, 4, 128, 64, 512, True, 3),
     "bf16_interleave": (torch.bfloat16, 5, 32, 32, 64, True, 9),
+    "fp32_yarn": (torch.float32, 2, 16, 32, 64, True, 6),  # attention factor != 1
 }
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -54,8 +56,10 @@ def check_rope_latent(name: str, device: str) -> tuple[float, float]:
         "model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": heads, "qk_nope_head_dim": nope,
         "qk_rope_head_dim": rope_dim, "kv_lora_rank": rank, "v_head_dim": 16,
         "rope_interleave": interleave, "vocab_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+        **({"rope_scaling": YARN} if "yarn" in name else {}),
     })
     rope = RotaryEmbedding(cfg).to(device)
+    assert ("yarn" in name) == (rope.attention_factor != 1.0)
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(n, heads, nope + rope_dim, generator=gen).to(device=device, dtype=dtype)
     kv = (torch.randn(n, rank + rope_dim, generator=gen) * 2).to(device=device, dtype=dtype)
@@ -73,7 +77,8 @@ def check_rope_latent(name: str, device: str) -> tuple[float, float]:
     want_q = rope.rotate(q[..., nope:], cos[:, None, :], sin[:, None, :])
     k_rope = rope.rotate(kv[:, rank:], cos, sin)
     write_kv(want_cache, slots, torch.cat([c_kv, k_rope], dim=-1))
-    got_q = rope_and_store_latent(q, kv, norm.weight, norm.eps, cos, sin, cache, slots, nope, interleave)
+    got_q = rope_and_store_latent(q, kv, norm.weight, norm.eps, positions, rope.inv_freq,
+                                  rope.attention_factor, cache, slots, nope, interleave)
     err = max((got_q.double() - want_q.double()).abs().max().item(),
               (cache.double() - want_cache.double()).abs().max().item())
     return err, _tol(dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes
+from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes, topk_last
 from engine.spec.tree import DraftTree, select_best_nodes
 from engine.spec.verifier import verify_greedy
 
@@ -75,3 +75,11 @@ def test_ties_keep_the_selection_ancestor_closed() -> None:
     sel, P = select_nodes(scores, parents, 3)
     assert sel.tolist() == [[0, 2, 3]]
     assert P.tolist() == [[0, 0, 1, 2]]
+
+
+@pytest.mark.parametrize(("shape", "k", "chunk"), [((3, 1024), 4, 128), ((2, 4, 8192), 10, 128), ((5, 96), 3, 128)])
+def test_two_stage_topk_equals_topk(shape: tuple[int, ...], k: int, chunk: int) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))  # distinct values
+    values, index = topk_last(x, k, chunk)
+    want_values, want_index = x.topk(k, -1)
+    assert torch.equal(values, want_values) and torch.equal(index, want_index)
