@@ -47,7 +47,7 @@ echo "== benchmark (elapsed ${ELAPSED} s; sweep points start within ${LIMIT} s)"
     --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures 0,0.7 \
     --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
-    --tree-budgets "${TREE_BUDGETS:-32,4x8-40}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
+    --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
 LEFT=$(( END_S - ($(date +%s) - START) ))

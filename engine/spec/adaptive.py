@@ -79,6 +79,7 @@ class AdaptiveController:
         self._explore_left = 0
         # (log2 batch bucket, batch samples, speculated) -> measured decode steps
         self._steps: dict[tuple[int, bool, bool], _StepCost] = {}
+        self._shapes: dict[tuple[int, bool], TreeBudget] = {}  # (bucket, sampled) -> planned tree
         self._since_explore = 0
 
     def observe(
@@ -104,6 +105,16 @@ class AdaptiveController:
         if spec is None or ar is None or ar.seconds <= 0:
             return self.explore_every
         return int(self.explore_every * max(1.0, spec.seconds / ar.seconds) * 4)
+
+    def _margin(self, batch_size: int, sampled: bool) -> int:
+        """How many times cheaper per token speculation measured than AR (at least 1): the
+        wider the margin, the rarer the AR check (each costs an MTP catch-up afterwards)."""
+        bucket = batch_size.bit_length()
+        spec = self._steps.get((bucket, sampled, True))
+        ar = self._steps.get((bucket, sampled, False))
+        if spec is None or ar is None or spec.per_token <= 0:
+            return 1
+        return max(1, int(ar.per_token / spec.per_token))
 
     def _measured_says_ar(self, batch_size: int, sampled: bool) -> bool | None:
         """Whether measured steps favour AR at this batch size (the nearest measured bucket
@@ -133,7 +144,6 @@ class AdaptiveController:
         steps = engine.acceptance.num_steps
         next_plan = min(2 * self._planned_at_steps, self._planned_at_steps + REPLAN_MAX_RECORDS)
         if self._planner is None or steps >= max(next_plan, MIN_STEPS_FOR_LIVE_STATS):
-            replanning = self._planner is not None
             self._planner = SpeculationPlanner(
                 self._stats(engine),
                 self.latency,
@@ -141,10 +151,6 @@ class AdaptiveController:
                 max_depth=self.max_budget.depth,
                 max_width=self.max_budget.topk,
             )
-            if replanning:
-                # New statistics, new trees: what speculative steps cost so far was measured
-                # on other shapes, so measure them again (AR costs stay valid).
-                self._steps = {k: v for k, v in self._steps.items() if not k[2]}
             self._planned_at_steps = steps
         # Plans per power-of-two batch bucket: a shrinking batch does not re-plan every step.
         plan = self._planner.plan(1 << (batch_size - 1).bit_length())
@@ -153,7 +159,7 @@ class AdaptiveController:
             self._explore_left -= 1
         # While speculation wins, an AR step now and then checks it still does (AR steps are
         # cheap to try, so the check is rare).
-        periodic = self._calls % (self.explore_every * 4) == 0
+        periodic = self._calls % (self.explore_every * 4 * self._margin(batch_size, sampled)) == 0
         no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
         planned = TreeBudget(
             topk=max(plan.topk, 1),
@@ -166,6 +172,7 @@ class AdaptiveController:
         if graphed:
             # The graphed step serves one captured shape: the choice is that tree or none.
             planned = small = self.max_budget
+        self._forget_other_shapes(batch_size, sampled, planned)
         # The model omits host overhead; real step costs overrule it once both were measured.
         measured_ar = self._measured_says_ar(batch_size, sampled)
         if plan.budget == 0 or measured_ar:
@@ -180,6 +187,15 @@ class AdaptiveController:
         if measured_ar is None:  # measure both choices first, alternating
             return planned if self._calls % 2 else no_spec
         return no_spec if periodic else planned
+
+    def _forget_other_shapes(self, batch_size: int, sampled: bool, planned: TreeBudget) -> None:
+        """Speculative step costs were measured on one tree shape: when a re-plan changes the
+        shape for this bucket, measure it again (AR costs stay valid). The graphed path's shape
+        never changes, so its measurements are kept across re-plans."""
+        key = (batch_size.bit_length(), sampled)
+        if self._shapes.get(key, planned) != planned:
+            self._steps.pop((*key, True), None)
+        self._shapes[key] = planned
 
 
 def _grid(device: torch.device, max_batch: int, max_tokens: int) -> list[tuple[int, int]]:

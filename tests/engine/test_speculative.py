@@ -184,3 +184,19 @@ def test_adaptive_explores_costly_speculation_rarely(small_vocab_dir: Path) -> N
 
     choices = [controller.choose(eng, 4, sampled=True).speculates for _ in range(2000)]
     assert 0 < sum(choices) <= EXPLORE_RUN  # one exploring run in 2000 steps
+
+
+def test_adaptive_keeps_step_costs_until_the_planned_shape_changes(small_vocab_dir: Path) -> None:
+    """Re-plans do not throw away what a shape's steps cost; a new shape is measured anew."""
+    from engine.spec.drafter import TreeBudget
+
+    _, controller = _adaptive_with_cheap_verify(small_vocab_dir)
+    wide, narrow = TreeBudget(4, 6, 32), TreeBudget(2, 4, 8)
+    controller._forget_other_shapes(4, False, wide)
+    controller.observe(4, True, seconds=0.01, tokens=8)
+    controller.observe(4, False, seconds=0.01, tokens=1)
+    controller._forget_other_shapes(4, False, wide)  # same plan: kept
+    assert (3, False, True) in controller._steps
+    assert controller._margin(4, False) == 8  # speculation measured 8x cheaper per token
+    controller._forget_other_shapes(4, False, narrow)  # new shape: its cost is unknown
+    assert (3, False, True) not in controller._steps and (3, False, False) in controller._steps
