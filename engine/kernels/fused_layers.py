@@ -11,7 +11,9 @@ keys plus the latent-cache write about sixteen. These kernels do each in one lau
 
 Both round where the PyTorch path rounds (after the normalisation, cos/sin, each product of
 the rotation), so in bfloat16 they agree with it to the last bit but for the order of the fp32
-reduction and the last bit of fp32 cos/sin. References: ``engine/model/fused.py``; tests: ``tests/engine/kernels``.
+reduction and the last bit of fp32 cos/sin. References (the PyTorch path): ``RMSNorm`` in
+``engine/model/layers.py`` and ``MultiHeadLatentAttention._rope_and_store_latent`` in
+``engine/model/mla.py``; tests: ``tests/engine/kernels/fused_cases.py``.
 """
 
 from __future__ import annotations

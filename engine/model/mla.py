@@ -115,7 +115,8 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q_nope [N, heads, nope], rotated q_rope [N, heads, rope]
         """Queries, and the tokens' latent entries [c_kv | rotated k_rope] written to the cache.
 
-        ``rope_tables`` None (the caller's ``rope.tables_for``): the fused kernel computes cos/sin.
+        ``rope_tables`` None (see ``DeepseekV3ForCausalLM._rope_tables``): the fused kernel
+        computes cos/sin where it applies, else they are computed here.
         """
         norm = self.kv_a_layernorm
         if rope_tables is None and self.fused_kernels_apply(x):
@@ -129,12 +130,11 @@ class MultiHeadLatentAttention(nn.Module):
             )  # one launch for cos/sin, the rotations, the norm and the cache write
             return q[..., : self.nope_dim], q_rope
         cos, sin = rope_tables if rope_tables is not None else rope.cos_sin(batch.positions, x.dtype)
-        slot_mapping = batch.slot_mapping
         q_nope, q_rope = self._queries(x)  # [N, heads, nope], [N, heads, rope]
         c_kv, k_rope = self._latents(x)  # [N, kv_rank], [N, rope]
         q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])
         k_rope = rope.rotate(k_rope, cos, sin)
-        write_kv(kv_cache, slot_mapping, torch.cat([c_kv, k_rope], dim=-1))
+        write_kv(kv_cache, batch.slot_mapping, torch.cat([c_kv, k_rope], dim=-1))
         return q_nope, q_rope
 
     # ---- training / reference: expanded MLA over whole sequences ----

@@ -95,13 +95,16 @@ class AdaptiveController:
         else:
             cost.add(seconds, tokens)
 
+    def _costs(self, batch_size: int, sampled: bool) -> tuple[_StepCost | None, _StepCost | None]:
+        """Measured (speculative, AR) step costs of this batch size's bucket."""
+        bucket = batch_size.bit_length()
+        return self._steps.get((bucket, sampled, True)), self._steps.get((bucket, sampled, False))
+
     def _explore_interval(self, batch_size: int, sampled: bool) -> int:
         """Steps between explorations of speculation while AR is measured faster: the costlier
         a speculative step is against an AR step, the rarer, so exploring stays ~1/explore_every
         of the time (sampled trees on the host path can cost tens of AR steps)."""
-        bucket = batch_size.bit_length()
-        spec = self._steps.get((bucket, sampled, True))
-        ar = self._steps.get((bucket, sampled, False))
+        spec, ar = self._costs(batch_size, sampled)
         if spec is None or ar is None or ar.seconds <= 0:
             return self.explore_every
         return int(self.explore_every * max(1.0, spec.seconds / ar.seconds) * 4)
@@ -109,9 +112,7 @@ class AdaptiveController:
     def _margin(self, batch_size: int, sampled: bool) -> int:
         """How many times cheaper per token speculation measured than AR (at least 1): the
         wider the margin, the rarer the AR check (each costs an MTP catch-up afterwards)."""
-        bucket = batch_size.bit_length()
-        spec = self._steps.get((bucket, sampled, True))
-        ar = self._steps.get((bucket, sampled, False))
+        spec, ar = self._costs(batch_size, sampled)
         if spec is None or ar is None or spec.per_token <= 0:
             return 1
         return max(1, int(ar.per_token / spec.per_token))

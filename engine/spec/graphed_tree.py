@@ -70,17 +70,22 @@ class _RowPlan:
     position minus ``L``, its index in the step's slot window (positions ``L - k - C + 1 + w``),
     the query context as ``ctx * on + off``, and whether the row is committed (kept in the cache).
     ``mask[c]`` is the rows' mask among themselves. The module's committed entries before the
-    rows: ``ctx = L - c_coeff * c + ctx_offset``.
+    rows: ``ctx = L - c + ctx_offset`` with catch-up rows, ``L + ctx_offset`` without.
     """
 
     module: int
     catch_up: bool
     frontier: bool
-    rows: int
-    c_coeff: int
     ctx_offset: int
     meta: Tensor  # [C + 1, R, 5] long
     mask: Tensor  # [C + 1, R, R] bool
+
+    @property
+    def rows(self) -> int:
+        return self.meta.shape[1]
+
+    def ctx(self, L: Tensor, c: Tensor) -> Tensor:  # [B] committed module entries
+        return L - c + self.ctx_offset if self.catch_up else L + self.ctx_offset
 
     @classmethod
     def build(cls, m: int, k: int, K: int, C: int, D: int, device: torch.device) -> _RowPlan:
@@ -108,8 +113,7 @@ class _RowPlan:
                     meta[c, r, _POS] = m - 1
                     meta[c, r, _QON] = 1
                     mask[c, r, :min(c, n_catch)] = True
-        return cls(module, catch_up, frontier, R, int(catch_up), 1 - (module if catch_up else k),
-                   meta.to(device), mask.to(device))
+        return cls(module, catch_up, frontier, 1 - (module if catch_up else k), meta.to(device), mask.to(device))
 
 
 class _Buffers:
@@ -355,14 +359,14 @@ class GraphedGreedyTree:
         self,
         buf: _Buffers,
         plan: _RowPlan,
-        window: Tensor,  # [B, W] flat slots of positions WINDOW_BASE + w (see _RowPlan)
+        window: Tensor,  # [B, W] flat slots of positions L - k - C + 1 + w (see _RowPlan)
         tokens: Tensor,  # [B, R] token of each row
         prev: Tensor,  # [B, R, H] previous depth's hidden of each row
     ) -> Tensor:  # [B, R, H]
         B, R = buf.bucket, plan.rows
         meta = plan.meta.index_select(0, buf.c)  # [B, R, 5] this step's row layout
         mask = plan.mask.index_select(0, buf.c)  # [B, R, R]
-        ctx = buf.L - plan.c_coeff * buf.c + plan.ctx_offset  # [B] committed module entries
+        ctx = plan.ctx(buf.L, buf.c)  # [B]
         slots = window.gather(1, meta[..., _WIN])  # [B, R]
         batch = AttentionBatch(
             positions=(buf.L[:, None] + meta[..., _POS]).reshape(-1),
