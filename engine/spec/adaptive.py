@@ -11,14 +11,17 @@ draft forwards. This controller feeds it
   conservative prior until enough verify steps were seen,
 
 and asks for the tree (or no speculation) with the most tokens/s at the current batch size.
-When the plan says "do not speculate", one step in ``explore_every`` still drafts a small tree so
-the statistics stay current. The latency model cannot see host overhead (Python tree building,
-launches), so the controller also measures what each decode step really cost per emitted token,
-with and without speculation, per batch-size bucket; once both are measured they overrule the
-plan's yes/no (still exploring the other choice one step in ``explore_every``). That is what keeps
-adaptive speculation at least as fast as autoregressive decoding where drafting does not pay.
-With the graphed greedy step (``engine.spec.graphed_tree``, GPU) the tree shape is the captured
-one, so for greedy batches the choice is between that tree and no speculation.
+The latency model cannot see host overhead (Python tree building, launches) nor CUDA graphs
+(its forwards run eagerly), so the controller also measures what each decode step really cost
+per emitted token, with and without speculation, per batch-size bucket; once both are measured
+they overrule the plan's yes/no in either direction. Whichever choice loses is still explored
+now and then: a short run of speculative steps while AR wins (rarer the costlier they measured),
+which also keeps the acceptance statistics current, or a single AR step while speculation wins
+(rarer the wider its margin). That is what keeps adaptive speculation at least as fast as
+autoregressive decoding where drafting does not pay, and drafting where it does though the
+plan says not to. Where the plan has no tree the speculative steps draft the configured
+(maximum) tree. With the graphed greedy step (``engine.spec.graphed_tree``, GPU) the tree shape
+is the captured one, so for greedy batches the choice is between that tree and no speculation.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ REPLAN_MAX_RECORDS = 16384
 # Speculative steps per exploration: the first one after a run of AR steps catches the MTP modules
 # up (extra work that is not measured), the others show the steady cost.
 EXPLORE_RUN = 3
+MIN_MEASURED = 3  # steps of each kind before a bucket's step costs count as measured
 
 
 @dataclass
@@ -95,37 +99,45 @@ class AdaptiveController:
         else:
             cost.add(seconds, tokens)
 
-    def _costs(self, batch_size: int, sampled: bool) -> tuple[_StepCost | None, _StepCost | None]:
-        """Measured (speculative, AR) step costs of this batch size's bucket."""
-        bucket = batch_size.bit_length()
-        return self._steps.get((bucket, sampled, True)), self._steps.get((bucket, sampled, False))
+    def _costs(self, bucket: int, sampled: bool) -> tuple[_StepCost, _StepCost] | None:
+        """A batch bucket's measured (speculative, AR) step costs; None until each kind has
+        MIN_MEASURED steps (fewer do not set how often to explore either: one exploring run
+        must not postpone the next)."""
+        spec = self._steps.get((bucket, sampled, True))
+        ar = self._steps.get((bucket, sampled, False))
+        if spec is None or ar is None or min(spec.count, ar.count) < MIN_MEASURED:
+            return None
+        return spec, ar
 
     def _explore_interval(self, batch_size: int, sampled: bool) -> int:
         """Steps between explorations of speculation while AR is measured faster: the costlier
         a speculative step is against an AR step, the rarer, so exploring stays ~1/explore_every
         of the time (sampled trees on the host path can cost tens of AR steps)."""
-        spec, ar = self._costs(batch_size, sampled)
-        if spec is None or ar is None or ar.seconds <= 0:
+        costs = self._costs(batch_size.bit_length(), sampled)
+        if costs is None or costs[1].seconds <= 0:
             return self.explore_every
+        spec, ar = costs
         return int(self.explore_every * max(1.0, spec.seconds / ar.seconds) * 4)
 
     def _margin(self, batch_size: int, sampled: bool) -> int:
         """How many times cheaper per token speculation measured than AR (at least 1): the
         wider the margin, the rarer the AR check (each costs an MTP catch-up afterwards)."""
-        spec, ar = self._costs(batch_size, sampled)
-        if spec is None or ar is None or spec.per_token <= 0:
+        costs = self._costs(batch_size.bit_length(), sampled)
+        if costs is None or costs[0].per_token <= 0:
             return 1
+        spec, ar = costs
         return max(1, int(ar.per_token / spec.per_token))
 
     def _measured_says_ar(self, batch_size: int, sampled: bool) -> bool | None:
-        """Whether measured steps favour AR at this batch size (the nearest measured bucket
-        stands in for one not measured yet); None while nothing comparable was measured."""
+        """Whether measured steps favour AR at this batch size; None while nothing comparable
+        was measured. The bucket's own costs decide once measured; until then a neighbouring
+        bucket stands in (not a farther one: per-token costs at batch 1 say little about
+        batch 64)."""
         target = batch_size.bit_length()
-        buckets = sorted({k[0] for k in self._steps}, key=lambda b: abs(b - target))
-        for bucket in buckets:
-            spec = self._steps.get((bucket, sampled, True))
-            ar = self._steps.get((bucket, sampled, False))
-            if spec is not None and ar is not None and spec.count >= 3 and ar.count >= 3:
+        for bucket in (target, target - 1, target + 1):
+            costs = self._costs(bucket, sampled)
+            if costs is not None:
+                spec, ar = costs
                 return spec.per_token > ar.per_token
         return None
 
@@ -153,8 +165,10 @@ class AdaptiveController:
                 max_width=self.max_budget.topk,
             )
             self._planned_at_steps = steps
-        # Plans per power-of-two batch bucket: a shrinking batch does not re-plan every step.
-        plan = self._planner.plan(1 << (batch_size - 1).bit_length())
+        # Plans per power-of-two batch bucket, the one step costs are kept in (a shrinking batch
+        # does not re-plan every step, and one bucket's batch sizes share one planned shape, so
+        # its measured speculative costs are not thrown away when the batch crosses a power of 2).
+        plan = self._planner.plan(1 << (batch_size.bit_length() - 1))
         in_run = self._explore_left > 0  # the rest of an exploring run of speculative steps
         if in_run:
             self._explore_left -= 1
@@ -162,32 +176,38 @@ class AdaptiveController:
         # cheap to try, so the check is rare).
         periodic = self._calls % (self.explore_every * 4 * self._margin(batch_size, sampled)) == 0
         no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
-        planned = TreeBudget(
-            topk=max(plan.topk, 1),
-            depth=plan.max_depth,
-            num_draft_tokens=plan.budget,
-            min_path_prob=self.max_budget.min_path_prob,
-        )
-        small = TreeBudget(topk=1, depth=2, num_draft_tokens=2)
-        graphed = engine.graphed_tree is not None and not sampled
-        if graphed:
-            # The graphed step serves one captured shape: the choice is that tree or none.
-            planned = small = self.max_budget
-        self._forget_other_shapes(batch_size, sampled, planned)
-        # The model omits host overhead; real step costs overrule it once both were measured.
+        if engine.graphed_tree is not None and not sampled:
+            tree = self.max_budget  # the graphed step serves one captured shape
+        elif plan.budget == 0:
+            # No planned tree, yet measured steps may say speculate: the "no" comes from a model
+            # of eager forwards (no CUDA graphs), which can be badly wrong, and then it offers no
+            # shape to trust either. Draft the configured tree: the one the fixed "tree" method
+            # serves (and graphs capture), the most tokens per step where a forward costs about
+            # the same for any tree size, the case the eager model misjudges. Exploring drafts
+            # the same tree, so the speculative cost measured is that of the tree used.
+            tree = self.max_budget
+        else:
+            tree = TreeBudget(
+                topk=max(plan.topk, 1),
+                depth=plan.max_depth,
+                num_draft_tokens=plan.budget,
+                min_path_prob=self.max_budget.min_path_prob,
+            )
+        self._forget_other_shapes(batch_size, sampled, tree)
+        # Measured step costs, once there are both, decide; until then the plan does.
         measured_ar = self._measured_says_ar(batch_size, sampled)
-        if plan.budget == 0 or measured_ar:
-            self._since_explore += 1
-            due = self._since_explore >= self._explore_interval(batch_size, sampled)
-            if due:
-                self._since_explore = 0
-                self._explore_left = EXPLORE_RUN - 1
-            if not (due or in_run):
-                return no_spec
-            return small if plan.budget == 0 else planned
-        if measured_ar is None:  # measure both choices first, alternating
-            return planned if self._calls % 2 else no_spec
-        return no_spec if periodic else planned
+        if measured_ar is None and plan.budget > 0:  # measure both choices first, alternating
+            return tree if self._calls % 2 else no_spec
+        if measured_ar is False:
+            return no_spec if periodic else tree
+        # AR wins (measured so, or planned so while unmeasured): a run of speculative steps now
+        # and then (its first step catches the MTP modules up and is not measured, the rest are).
+        self._since_explore += 1
+        due = self._since_explore >= self._explore_interval(batch_size, sampled)
+        if due:
+            self._since_explore = 0
+            self._explore_left = EXPLORE_RUN - 1
+        return tree if due or in_run else no_spec
 
     def _forget_other_shapes(self, batch_size: int, sampled: bool, planned: TreeBudget) -> None:
         """Speculative step costs were measured on one tree shape: when a re-plan changes the

@@ -152,7 +152,7 @@ def test_static_padded_forward_gives_the_same_tokens(small_vocab_dir: Path, meth
     outs = eng.generate(PROMPTS[:3], GREEDY)  # 3 sequences -> padded to the bucket of 4
     assert len(calls) > 5, "the static path should carry the decode steps"
     assert [o.token_ids for o in outs] == [b.token_ids for b in base[:3]]
-    scratch = static.scratch + (eng.graphed_tree.scratch if eng.graphed_tree else [])
+    scratch = eng.static_scratch_blocks
     assert eng.kv_blocks_used == len(scratch)
     flat = eng.pool.kv_cache[:, scratch]
     assert torch.count_nonzero(flat) == 0, "padding rows must leave nothing behind"
@@ -193,8 +193,9 @@ def test_adaptive_keeps_step_costs_until_the_planned_shape_changes(small_vocab_d
     _, controller = _adaptive_with_cheap_verify(small_vocab_dir)
     wide, narrow = TreeBudget(4, 6, 32), TreeBudget(2, 4, 8)
     controller._forget_other_shapes(4, False, wide)
-    controller.observe(4, True, seconds=0.01, tokens=8)
-    controller.observe(4, False, seconds=0.01, tokens=1)
+    for _ in range(3):  # measured: 3 steps of each kind
+        controller.observe(4, True, seconds=0.01, tokens=8)
+        controller.observe(4, False, seconds=0.01, tokens=1)
     controller._forget_other_shapes(4, False, wide)  # same plan: kept
     assert (3, False, True) in controller._steps
     assert controller._margin(4, False) == 8  # speculation measured 8x cheaper per token

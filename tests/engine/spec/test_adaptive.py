@@ -1,0 +1,118 @@
+"""engine/spec/adaptive.py: measured step costs overrule the plan's yes/no, in both directions.
+
+The controller is driven without a model: a stub engine (no acceptance statistics yet, so the
+prior) and a fixed latency model in place of the calibration.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.simulator import LatencyModel
+from engine.spec import adaptive
+from engine.spec.acceptance_stats import AcceptanceCounter
+from engine.spec.adaptive import AdaptiveController
+from engine.spec.drafter import TreeBudget
+
+MAX = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
+PLAN_SAYS_AR = LatencyModel.analytic(verify_fixed=1e-6, verify_per_token=0.01)
+PLAN_SAYS_SPEC = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
+STEPS = 400
+BATCH = 4
+
+
+def _controller(
+    monkeypatch: pytest.MonkeyPatch, latency: LatencyModel, graphed: bool = False
+) -> tuple[SimpleNamespace, AdaptiveController]:
+    monkeypatch.setattr(adaptive, "calibrate_latency", lambda engine, budget: latency)
+    eng = SimpleNamespace(
+        acceptance=AcceptanceCounter(), graphed_tree=object() if graphed else None
+    )
+    return eng, AdaptiveController(eng, MAX)  # type: ignore[arg-type]
+
+
+def _drive(
+    eng: SimpleNamespace,
+    controller: AdaptiveController,
+    spec: tuple[float, int],
+    ar: tuple[float, int],
+) -> list[TreeBudget]:
+    """STEPS decode steps as ``LLMEngine.step`` runs them, each costing ``spec`` or ``ar``
+    (seconds, tokens); a speculative step after 2+ AR steps catches the MTP modules up and is
+    not observed, as in the engine. Returns the budgets chosen."""
+    budgets: list[TreeBudget] = []
+    ar_run = 0
+    for _ in range(STEPS):
+        budget = controller.choose(eng, BATCH)  # type: ignore[arg-type]
+        budgets.append(budget)
+        if budget.speculates:
+            if ar_run < 2:
+                controller.observe(BATCH, True, *spec)
+            ar_run = 0
+        else:
+            controller.observe(BATCH, False, *ar)
+            ar_run += 1
+    return budgets
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_measured_speculation_overrules_a_plan_that_says_ar(
+    monkeypatch: pytest.MonkeyPatch, graphed: bool
+) -> None:
+    """The plan says budget 0 (its eager latency model can be wrong), yet speculative steps
+    measure 2x cheaper per token: the controller speculates with the configured tree, checking
+    AR now and then."""
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed)
+    budgets = _drive(eng, controller, spec=(0.02, 16), ar=(0.01, 4))  # 1.25 vs 2.5 ms per token
+    assert controller._planner is not None and controller._planner.plan(BATCH).budget == 0
+    speculated = [b for b in budgets if b.speculates]
+    assert len(speculated) >= 0.85 * STEPS
+    assert all(b == MAX for b in speculated)
+    assert not all(b.speculates for b in budgets[100:]), "AR is still checked once measured"
+
+
+def test_measured_ar_overrules_a_plan_that_says_speculate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan says speculate, yet speculative steps measure 2x costlier per token: mostly AR,
+    still exploring speculation now and then."""
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_SPEC)
+    budgets = _drive(eng, controller, spec=(0.04, 8), ar=(0.01, 4))  # 5 vs 2.5 ms per token
+    assert controller._planner is not None and controller._planner.plan(BATCH).budget > 0
+    speculated = sum(b.speculates for b in budgets)
+    assert speculated <= 0.15 * STEPS
+    assert any(b.speculates for b in budgets[100:]), "speculation is still explored once measured"
+
+
+def test_a_buckets_own_costs_win_and_only_neighbours_stand_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, controller = _controller(monkeypatch, PLAN_SAYS_SPEC)
+    for _ in range(5):  # batch 2 (bucket 2): AR cheaper per token
+        controller.observe(2, True, seconds=0.04, tokens=4)
+        controller.observe(2, False, seconds=0.01, tokens=2)
+    for _ in range(2):  # batch 4 (bucket 3): speculation cheaper, but only 2 steps of each
+        controller.observe(4, True, seconds=0.01, tokens=8)
+        controller.observe(4, False, seconds=0.01, tokens=4)
+    assert controller._measured_says_ar(4, False) is True  # the neighbour stands in
+    controller.observe(4, True, seconds=0.01, tokens=8)
+    controller.observe(4, False, seconds=0.01, tokens=4)
+    assert controller._measured_says_ar(4, False) is False  # 3 of each: its own costs decide
+    assert controller._measured_says_ar(2, False) is True
+    assert controller._measured_says_ar(8, False) is False  # bucket 4: bucket 3 stands in
+    assert controller._measured_says_ar(64, False) is None  # bucket 7: too far from either
+    assert controller._measured_says_ar(4, True) is None  # sampled steps are apart
+
+
+def test_one_buckets_batch_sizes_share_one_planned_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches 2 and 3 keep their step costs in one bucket; planning them at different batch
+    sizes gave different shapes there, and each change of shape threw the costs away."""
+    latency = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-4)
+    eng, controller = _controller(monkeypatch, latency)
+    controller.choose(eng, 2)  # type: ignore[arg-type]
+    assert controller._planner is not None
+    assert controller._planner.plan(2).budget != controller._planner.plan(4).budget
+    controller.observe(2, True, seconds=0.01, tokens=8)
+    for batch in (3, 2, 3):
+        controller.choose(eng, batch)  # type: ignore[arg-type]
+        assert (2, False, True) in controller._steps
