@@ -42,7 +42,8 @@ from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import AdaptiveController
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget
-from engine.spec.graphed_tree import GraphedGreedyTree
+from engine.spec.graphed_sampled import GraphedSampledTree
+from engine.spec.graphed_tree import GraphedGreedyTree, GraphedTreeStep
 from engine.spec.tree import DraftTree
 from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 
@@ -122,6 +123,7 @@ class LLMEngine:
         self.last_timings = StepTimings()
         self.static_forward: StaticTargetForward | None = None
         self.graphed_tree: GraphedGreedyTree | None = None
+        self.graphed_sampled: GraphedSampledTree | None = None
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
@@ -136,6 +138,12 @@ class LLMEngine:
                     model, self.pool, self.budget, max_blocks, engine_config.max_batch_size,
                     use_graphs=device.type == "cuda", reuse_last_module=spec.reuse_last_module,
                 )  # fmt: skip
+                shape = sampled_tree_shape(self.budget, None)
+                if spec.reuse_last_module or shape.max_depth <= cfg.num_mtp_modules:
+                    self.graphed_sampled = GraphedSampledTree(
+                        model, self.pool, self.budget, shape, max_blocks,
+                        engine_config.max_batch_size, use_graphs=device.type == "cuda",
+                    )  # fmt: skip
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
@@ -299,6 +307,15 @@ class LLMEngine:
     def kv_blocks_total(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def static_scratch_blocks(self) -> list[int]:
+        """Blocks the static (CUDA-graph) paths hold for their padding rows, all zero at rest."""
+        blocks = list(self.static_forward.scratch) if self.static_forward is not None else []
+        for runner in (self.graphed_tree, self.graphed_sampled):
+            if runner is not None:
+                blocks += runner.scratch
+        return blocks
+
     def drain_zero_events(self) -> list[ZeroEvent]:
         events, self._zero_events = self._zero_events, []
         return events
@@ -337,11 +354,13 @@ class LLMEngine:
                 torch.cuda.synchronize(self.device)  # time the decode work alone
             start, before = time.perf_counter(), len(outputs)
             if budget.speculates:
-                graphed, host = self._split_graphed(decode, budget)
+                host = decode
+                for runner in self._graphed_steps(budget):
+                    graphed, host = self._split_graphed(runner, host)
+                    if graphed:
+                        self._graphed_step(runner, graphed, outputs)
                 if host:
                     self._speculative_step(host, budget, outputs)
-                if graphed:
-                    self._graphed_step(graphed, outputs)
             else:
                 self._autoregressive_step(decode, outputs)
             if self.adaptive is not None and not self._step_caught_up:  # only steady steps
@@ -390,11 +409,11 @@ class LLMEngine:
             tokens = self._sample_rows([seq for seq, _ in finishing], logits)
             for (seq, _), token in zip(finishing, tokens, strict=True):
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
-            if self.graphed_tree is not None and self.drafter is not None:
+            runners = self._graphed_steps(self.budget)
+            if runners and self.drafter is not None:
                 ready = [
                     seq for seq, _ in finishing
-                    if seq.status is SeqStatus.RUNNING and seq.sampling.greedy
-                    and not seq.sampling.has_penalties
+                    if seq.status is SeqStatus.RUNNING and any(r.serves(seq.sampling) for r in runners)
                 ]  # fmt: skip
                 if ready:
                     self.drafter.catch_up(ready)
@@ -479,18 +498,17 @@ class LLMEngine:
             self._append_tokens(seq, new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
         self.last_timings = StepTimings(t1 - t0, t2 - t1, rollback, events)
 
+    def _graphed_steps(self, budget: TreeBudget) -> list[GraphedTreeStep]:
+        """The device-resident tree steps that serve ``budget`` (greedy, sampled)."""
+        steps = [self.graphed_tree, self.graphed_sampled]
+        return [g for g in steps if g is not None and g.budget == budget]
+
     def _split_graphed(
-        self, seqs: list[Sequence], budget: TreeBudget
+        self, fast: GraphedTreeStep, seqs: list[Sequence]
     ) -> tuple[list[Sequence], list[Sequence]]:
-        """(sequences for the device-resident greedy step, sequences for the host-driven one)."""
-        fast = self.graphed_tree
-        if fast is None or budget != fast.budget:
-            return [], seqs
+        """(sequences ``fast`` takes this step, the others)."""
         ready = [fast.eligible(s) for s in seqs]
-        lagging = [
-            s for s, ok in zip(seqs, ready, strict=True)
-            if not ok and s.sampling.greedy and not s.sampling.has_penalties
-        ]  # fmt: skip
+        lagging = [s for s, ok in zip(seqs, ready, strict=True) if not ok and fast.serves(s.sampling)]
         if lagging and self.drafter is not None:
             # MTP modules behind (autoregressive steps in between, a host step that stopped
             # early): catch them up eagerly, then the graphed step can take these sequences.
@@ -501,15 +519,19 @@ class LLMEngine:
         chosen = {id(s) for s in graphed}
         return graphed, [s for s in seqs if id(s) not in chosen]
 
-    def _graphed_step(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
-        """Greedy tree speculation as two graph replays (see engine/spec/graphed_tree.py)."""
-        assert self.graphed_tree is not None
+    def _graphed_step(
+        self, runner: GraphedTreeStep, seqs: list[Sequence], outputs: list[RequestOutput]
+    ) -> None:
+        """Tree speculation as two graph replays (see engine/spec/graphed_tree.py)."""
         t0 = time.perf_counter()
-        results, timing = self.graphed_tree.run(seqs)
+        results, timing = runner.run(seqs)
         elapsed = time.perf_counter() - t0
-        drafted = self.graphed_tree.N
+        drafted = runner.N
+        sampled = runner is self.graphed_sampled
         for seq, res in zip(seqs, results, strict=True):
             self.acceptance.record_path(res.has_children, res.child_ranks)
+            if sampled:
+                self.sampled_acceptance.record_path(res.has_children, res.child_ranks)
             accepted = len(res.accepted_tokens)
             seq.stats.record_step(drafted, accepted)
             self._append_tokens(

@@ -99,12 +99,18 @@ def probs_from_logits(
     temperature: Tensor,  # [N] float, 0 = greedy
     top_k: Tensor,  # [N] int, 0 = off
     top_p: Tensor,  # [N] float, 1.0 = off
+    *,
+    filters: bool | None = None,
 ) -> Tensor:  # [N, V] float32
     """Temperature, then top-k, then top-p, then softmax; greedy rows are one-hot at argmax.
 
     Top-p keeps the smallest prefix of the (top-k renormalised) distribution sorted by
     probability whose mass reaches ``top_p``: a token is kept iff the mass strictly before it is
     below ``top_p``, so the top token is always kept.
+
+    ``filters`` None looks at the parameters (reads the device) to skip work that cannot change
+    the result; True / False fix that choice without reading the device (CUDA-graph capture):
+    False promises no row uses top-k / top-p and none is greedy, True runs every stage.
     """
     logits = logits.float()  # [N, V]
     n, v = logits.shape
@@ -118,11 +124,15 @@ def probs_from_logits(
     k = torch.where(k == 0, torch.full_like(k, v), k)  # [N], 0 = off = keep all
     top_p = top_p.to(device=device, dtype=torch.float32)  # [N]
     use_p = (top_p < 1.0) & ~greedy  # [N]
-    if bool(((k < v) & ~greedy).any()) or bool(use_p.any()):
+    if filters is None:
+        filtering = bool(((k < v) & ~greedy).any()) or bool(use_p.any())
+    else:
+        filtering = filters
+    if filtering:
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [N, V] x2
         ranks = torch.arange(v, device=device)  # [V]
         keep_sorted = ranks[None, :] < k[:, None]  # [N, V]
-        if bool(use_p.any()):
+        if filters or bool(use_p.any()):
             masked = sorted_logits.masked_fill(~keep_sorted, float("-inf"))  # [N, V]
             sorted_probs = masked.softmax(dim=-1)  # [N, V]
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V] exclusive cumsum
@@ -132,7 +142,7 @@ def probs_from_logits(
         keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)  # [N, V]
         scaled = scaled.masked_fill(~keep, float("-inf"))
     probs = scaled.softmax(dim=-1)  # [N, V]
-    if bool(greedy.any()):
+    if filters or (filters is None and bool(greedy.any())):
         one_hot = torch.zeros_like(probs)  # [N, V]
         one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)

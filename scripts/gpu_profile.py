@@ -73,7 +73,7 @@ def main() -> None:
         buf = g._buffers[g._bucket(b)]
         ar_buf = st._static[(st._bucket(b), 1)]
         row = {
-            "tree_graph_ms": _event_ms(buf.graph.replay),  # type: ignore[union-attr]
+            "tree_graph_ms": _event_ms(buf.graphs[False].replay),
             "rollback_graph_ms": _event_ms(buf.rollback_graph.replay),  # type: ignore[union-attr]
             "ar_graph_ms": _event_ms(ar_buf.graph.replay),  # type: ignore[union-attr]
             "tree_step_ms": _steady_step_ms(tree, batch_prompts),

@@ -20,8 +20,9 @@ which also keeps the acceptance statistics current, or a single AR step while sp
 (rarer the wider its margin). That is what keeps adaptive speculation at least as fast as
 autoregressive decoding where drafting does not pay, and drafting where it does though the
 plan says not to. Where the plan has no tree the speculative steps draft the configured
-(maximum) tree. With the graphed greedy step (``engine.spec.graphed_tree``, GPU) the tree shape
-is the captured one, so for greedy batches the choice is between that tree and no speculation.
+(maximum) tree. With the graphed steps (``engine.spec.graphed_tree`` for greedy batches,
+``engine.spec.graphed_sampled`` for sampled ones; GPU) the tree is the captured one, so the choice
+is between that tree and no speculation.
 """
 
 from __future__ import annotations
@@ -176,8 +177,9 @@ class AdaptiveController:
         # cheap to try, so the check is rare).
         periodic = self._calls % (self.explore_every * 4 * self._margin(batch_size, sampled)) == 0
         no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
-        if engine.graphed_tree is not None and not sampled:
-            tree = self.max_budget  # the graphed step serves one captured shape
+        graphed = engine.graphed_sampled if sampled else engine.graphed_tree
+        if graphed is not None:
+            tree = self.max_budget  # the graphed steps serve one captured budget
         elif plan.budget == 0:
             # No planned tree, yet measured steps may say speculate: the "no" comes from a model
             # of eager forwards (no CUDA graphs), which can be badly wrong, and then it offers no

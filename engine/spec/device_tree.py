@@ -1,4 +1,4 @@
-"""Batched draft-tree algebra on the device: selection, tree mask, greedy acceptance.
+"""Batched draft-tree algebra on the device: selection, tree mask, greedy and sampled acceptance.
 
 Pure tensor functions with static shapes (no host reads), used by the graphed greedy step
 (``engine.spec.graphed_tree``) and testable against the host implementations
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from engine.simulator.tree_shape import TreeShape
 
 TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
 
@@ -69,8 +71,8 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:  # [B, N+1, N+1] b
 
 
 @dataclass
-class GreedyAcceptance:
-    """Accepted path of each tree (padded to ``max_depth + 1``)."""
+class AcceptedPath:
+    """Accepted path of each tree (padded to ``max_depth + 1``), greedy or sampled."""
 
     num_accepted: Tensor  # [B, 1] accepted drafts a
     path: Tensor  # [B, D+1] node indices root .. deepest accepted (entries past a repeat)
@@ -86,7 +88,7 @@ def accept_greedy(
     depths: Tensor,  # [B, N+1]
     target: Tensor,  # [B, N+1] target argmax at each node
     max_depth: int,
-) -> GreedyAcceptance:
+) -> AcceptedPath:
     """A node is accepted when its token is the target's argmax at its parent and its parent is
     accepted; siblings carry different tokens, so the accepted nodes form one path."""
     B, n = tokens.shape
@@ -107,4 +109,98 @@ def accept_greedy(
     has_child = (parents[:, None, 1:] == path[:, :, None]).any(-1)
     path_parent = parents.gather(1, path)
     rank = ((parents[:, None, :] == path_parent[:, :, None]) & (node < path[:, :, None]) & (node >= 1)).sum(-1)
-    return GreedyAcceptance(a, path, j[None] <= a, target.gather(1, best), has_child, rank)
+    return AcceptedPath(a, path, j[None] <= a, target.gather(1, best), has_child, rank)
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class StaticTree:
+    """A fixed tree shape as device tables, for sampled acceptance (``accept_sampled``)."""
+
+    children: Tensor  # [N+1, W] children in draw order, -1 padded
+    q_row: Tensor  # [N+1] row of the node's draft law among the internal nodes (0 for leaves)
+    has_child: Tensor  # [N+1] bool
+    ranks: Tensor  # [N+1] sibling rank (draw order), 0 for the root
+    level_width: list[int]  # [d] most children of a node at depth d
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.level_width)
+
+    @classmethod
+    def build(cls, shape: TreeShape, internal: list[int], device: torch.device) -> StaticTree:
+        """``internal``: the nodes with children, in the order of their draft-law rows."""
+        kids = [shape.children(i) for i in range(shape.num_nodes)]
+        width = max(len(c) for c in kids)
+        depths = shape.depths
+        return cls(
+            children=torch.tensor([c + [-1] * (width - len(c)) for c in kids], device=device),
+            q_row=torch.tensor([internal.index(i) if kids[i] else 0 for i in range(shape.num_nodes)],
+                               device=device),  # fmt: skip
+            has_child=torch.tensor([bool(c) for c in kids], device=device),
+            ranks=torch.tensor([0, *shape.ranks[1:]], device=device),
+            level_width=[max(len(kids[i]) for i in range(shape.num_nodes) if depths[i] == d)
+                         for d in range(shape.max_depth)],  # fmt: skip
+        )
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:  # [B, V] -> [B, V]
+    """``max(p - q, 0)``, unnormalised: the target law left after a rejected draw from ``q``."""
+    return (p - q).clamp(min=0.0)
+
+
+def accept_sampled(
+    tokens: Tensor,  # [B, N+1] node tokens (root first)
+    valid: Tensor,  # [B, N+1] bool, False for draws that had no mass (never accepted)
+    p_all: Tensor,  # [B, N+1, V] target law after each node (normalised)
+    q_all: Tensor,  # [B, I, V] draft law each internal node's children were drawn from
+    tree: StaticTree,
+) -> AcceptedPath:
+    """Multi-draft recursive rejection sampling on every tree at once (no host reads).
+
+    The tensor form of ``engine.spec.verifier.verify_sampling`` for children drawn without
+    replacement: at the current node, children are tried in draw order; ``x`` is accepted with
+    probability ``min(1, p(x) / q(x))``; on rejection ``p <- norm(max(p - q, 0))`` and ``q <- q``
+    without ``x``, renormalised. When no child is accepted (or the node is a leaf) the bonus is
+    drawn from the current ``p``. A rejection whose residual has no mass in floating point keeps
+    ``p`` (a rounding-level event, as in the host verifier). Randomness: the default generator.
+    """
+    B = tokens.shape[0]
+    dev = tokens.device
+    rows = torch.arange(B, device=dev)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # [B] current node
+    p = p_all[:, 0]  # [B, V]
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    path = [cur]
+    for level in range(tree.max_depth):
+        q = q_all[rows, tree.q_row[cur]]  # [B, V] law of cur's first draw
+        moved = torch.zeros_like(done)
+        nxt = cur
+        for r in range(tree.level_width[level]):
+            child = tree.children[cur, r]  # [B], -1: no such child
+            safe = child.clamp(min=0)
+            x = tokens[rows, safe]  # [B]
+            tried = ~done & ~moved & (child >= 0) & valid[rows, safe]
+            px, qx = p[rows, x], q[rows, x]  # [B]
+            accept = tried & (torch.rand_like(px) * qx < px)
+            moved |= accept
+            nxt = torch.where(accept, safe, nxt)
+            reject = (tried & ~accept)[:, None]  # [B, 1]
+            rest = residual(p, q)  # [B, V]
+            mass = rest.sum(-1, keepdim=True)
+            p = torch.where(reject & (mass > 0), rest / mass.clamp(min=_TINY), p)
+            q_rest = q.scatter(1, x[:, None], 0.0)  # the next draw's law: q without x
+            q_mass = q_rest.sum(-1, keepdim=True)
+            q = torch.where(reject & (q_mass > 0), q_rest / q_mass.clamp(min=_TINY), q)
+        done |= ~moved
+        cur = nxt
+        p = torch.where(moved[:, None], p_all[rows, cur], p)
+        path.append(cur)
+    race = p / torch.empty_like(p).exponential_().clamp_(min=_TINY)  # exponential race
+    bonus = race.argmax(-1, keepdim=True)  # [B, 1] drawn from the final (residual) law
+    path_t = torch.stack(path, 1)  # [B, D+1] (repeats once stopped)
+    a = (path_t[:, 1:] != path_t[:, :-1]).sum(-1, keepdim=True)  # [B, 1]
+    j = torch.arange(tree.max_depth + 1, device=dev)
+    return AcceptedPath(a, path_t, j[None] <= a, bonus, tree.has_child[path_t], tree.ranks[path_t])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,8 +40,15 @@ from engine.cuda_graphs import capture_or_run_eagerly
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.params import SamplingParams
 from engine.sequence import Sequence
-from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes, topk_last
+from engine.spec.device_tree import (
+    AcceptedPath,
+    accept_greedy,
+    ancestor_mask,
+    select_nodes,
+    topk_last,
+)
 from engine.spec.drafter import TreeBudget
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -65,8 +73,8 @@ class _RowPlan:
     """The rows of one MTP forward of the step (depth ``m``), precomputed for every ``c``.
 
     Rows: ``C`` catch-up rows (tokens committed since the module's last step, the first ``c``
-    valid) when ``m <= k``, then ``K`` frontier rows (the nodes of depth ``m - 1``) when
-    ``2 <= m <= D``. ``meta[c, r]`` holds, for row ``r`` when ``c`` catch-up rows are valid: its
+    valid) when ``m <= k``, then ``F`` frontier rows (the drafted nodes of depth ``m - 1`` that
+    get children) when ``2 <= m <= D``. ``meta[c, r]`` holds, for row ``r`` when ``c`` catch-up rows are valid: its
     position minus ``L``, its index in the step's slot window (positions ``L - k - C + 1 + w``),
     the query context as ``ctx * on + off``, and whether the row is committed (kept in the cache).
     ``mask[c]`` is the rows' mask among themselves. The module's committed entries before the
@@ -88,11 +96,12 @@ class _RowPlan:
         return L - c + self.ctx_offset if self.catch_up else L + self.ctx_offset
 
     @classmethod
-    def build(cls, m: int, k: int, K: int, C: int, D: int, device: torch.device) -> _RowPlan:
+    def build(cls, m: int, k: int, F: int, C: int, device: torch.device) -> _RowPlan:
+        """Depth ``m``'s plan with ``F`` frontier rows (0: catch-up only)."""
         module = min(m, k)
-        catch_up, frontier = m <= k, 2 <= m <= D
+        catch_up, frontier = m <= k, F > 0
         n_catch = C if catch_up else 0
-        R = n_catch + (K if frontier else 0)
+        R = n_catch + F
         band = max(module - 1, 1)
         meta = torch.zeros(C + 1, R, 5, dtype=torch.long)
         mask = torch.zeros(C + 1, R, R, dtype=torch.bool)
@@ -119,7 +128,7 @@ class _RowPlan:
 class _Buffers:
     """Static inputs and outputs of one batch bucket."""
 
-    def __init__(self, bucket: int, g: GraphedGreedyTree) -> None:
+    def __init__(self, bucket: int, g: GraphedTreeStep) -> None:
         dev, H, C, D = g.device, g.hidden_size, g.C, g.D
         self.bucket = bucket
         self.tables = torch.full((bucket, g.max_blocks), -1, dtype=torch.int32, device=dev)
@@ -128,6 +137,10 @@ class _Buffers:
         self.tail = torch.zeros(bucket, C, dtype=torch.long, device=dev)  # catch-up tokens
         self.rows0 = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev)  # module 1 inputs
         self.carry = torch.zeros(bucket, max(g.k - 1, 0), H, dtype=g.dtype, device=dev)
+        # Sampling parameters per sequence (sampled trees only; padding rows sample at T = 1).
+        self.temperature = torch.ones(bucket, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(bucket, dtype=torch.float32, device=dev)
         # Outputs.
         P = D + 1
         self.packed = torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, device=dev)
@@ -141,19 +154,29 @@ class _Buffers:
         self.query_start = {  # rows per sequence -> [bucket + 1] int32 offsets
             r: (torch.arange(bucket + 1, device=dev) * r).to(torch.int32) for r in rows
         }
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # step variant -> draft/verify/accept
         self.rollback_graph: torch.cuda.CUDAGraph | None = None
 
-    def set_padding(self, start: int, g: GraphedGreedyTree) -> None:
+    def set_padding(self, start: int, g: GraphedTreeStep) -> None:
         """Rows ``start:`` become dummy sequences living in the scratch blocks."""
         self.tables[start:] = g.pad_table
         self.L[start:] = g.k
         self.c[start:] = 1
         self.tail[start:] = 0
+        self.temperature[start:] = 1.0
+        self.top_k[start:] = 0
+        self.top_p[start:] = 1.0
 
 
-class GraphedGreedyTree:
-    """Greedy EAGLE-2 tree speculation over MTP modules as one static device program."""
+class GraphedTreeStep:
+    """One speculative step over MTP modules as a static device program (base class).
+
+    The base class owns what every tree policy shares: the batch buckets and their static
+    buffers, the MTP catch-up rows, the sequential MTP forwards, the tree-masked verify forward,
+    the outputs, the rollback and the graph capture. A subclass says which requests it serves
+    (``serves``), how many frontier rows each depth has, how a depth's frontier hidden states
+    become the next frontier (``_grow``) and how the verified tree is accepted (``_accept``).
+    """
 
     def __init__(
         self,
@@ -163,21 +186,16 @@ class GraphedGreedyTree:
         max_blocks: int,
         max_batch: int,
         use_graphs: bool,
-        reuse_last_module: bool = True,
+        depth: int,
+        num_nodes: int,
+        frontier_rows: list[int],  # [m - 1] frontier rows of MTP forward m (0 at m = 1)
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     ) -> None:
         cfg = model.config
         self.model, self.pool = model, pool
         self.k = cfg.num_mtp_modules
-        if self.k < 1 or not budget.speculates:
-            raise ValueError("GraphedGreedyTree needs MTP modules and a speculating budget")
-        self.K = min(budget.topk, cfg.vocab_size)
-        self.D = budget.depth if reuse_last_module else min(budget.depth, self.k)
-        self.num_candidates = self.K + (self.D - 1) * self.K * self.K
-        self.N = min(budget.num_draft_tokens, self.num_candidates)
+        self.D, self.N = depth, num_nodes
         self.C = self.D + 1 + CATCH_UP_SLACK
-        if self.N < self.D:
-            raise ValueError("num_draft_tokens must be at least the depth for the graphed tree")
         self.budget = budget
         self.hidden_size = cfg.hidden_size
         self.num_main_layers = cfg.num_hidden_layers
@@ -186,18 +204,16 @@ class GraphedGreedyTree:
         self.block_size = pool.block_size
         self.max_blocks = max_blocks
         self.buckets = tuple(b for b in buckets if b <= max_batch) or (1,)
-        # Candidate depth of each candidate index (depth-major creation order).
-        depths = [1] * self.K + [m for m in range(2, self.D + 1) for _ in range(self.K * self.K)]
-        self.cand_depth = torch.tensor(depths, dtype=torch.long, device=self.device)  # [T]
-        self.plans = [_RowPlan.build(m, self.k, self.K, self.C, self.D, self.device)
-                      for m in range(1, max(self.D, self.k) + 1)]
+        forwards = max(self.D, self.k)
+        rows = [*frontier_rows, *[0] * forwards][:forwards]
+        self.max_frontier = max(rows + [1])
+        self.plans = [_RowPlan.build(m, self.k, rows[m - 1], self.C, self.device)
+                      for m in range(1, forwards + 1)]
         self.tree_window_start = self.k + self.C - 1  # window index of position L (the root)
         width = max(max(int(p.meta[1:, :, _WIN].max()) for p in self.plans) + 1,
                     self.tree_window_start + self.N + 1)
         self.window_offsets = torch.arange(width, device=self.device) - self.tree_window_start  # [W]
-        self.root_parents = torch.full((1, self.K), -1, dtype=torch.long, device=self.device)
-        self.first_frontier = torch.arange(self.K, device=self.device)  # [K] candidates 0..K-1
-        scratch_tokens = self.k + self.C + self.K + self.N + 2
+        scratch_tokens = self.k + self.C + self.max_frontier + self.N + 2
         self.scratch = pool.allocate(-(-scratch_tokens // self.block_size), BlockOwner("graph-padding"))
         self.scratch_index = torch.tensor(self.scratch, device=self.device)
         self.pad_table = torch.full((max_blocks,), -1, dtype=torch.int32, device=self.device)
@@ -208,25 +224,49 @@ class GraphedGreedyTree:
             buf.set_padding(0, self)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.capture_error: str | None = None
+        # Which variant of the device program the loaded batch needs (sampled trees: whether a
+        # request uses top-k / top-p); variants other than False are captured on first use.
+        self.variant = False
+        self._mempool: Any = None  # CUDA graph memory pool handle, shared by all captures
+
+    def _capture(self) -> None:
+        """Capture every bucket's graphs (call at the end of a subclass's ``__init__``)."""
         if self.use_graphs:
             self.capture_error = capture_or_run_eagerly(self._capture_all, self._drop_graphs,
-                                                        "graphed tree")
+                                                        type(self).__name__)
             self.use_graphs = self.capture_error is None
             self._zero_scratch()
 
     def _drop_graphs(self) -> None:
         for buf in self._buffers.values():
-            buf.graph = buf.rollback_graph = None
+            buf.graphs, buf.rollback_graph = {}, None
+
+    # ------------------------------------------------------------------ policy hooks
+    def serves(self, params: SamplingParams) -> bool:
+        """Whether requests with these sampling parameters take this step."""
+        raise NotImplementedError
+
+    def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
+        """Depth ``m``'s children of the frontier rows' outputs ``front_hidden`` [B, F, H]:
+        returns the next frontier's tokens [B, F'] and their input hidden states [B, F', H]."""
+        raise NotImplementedError
+
+    def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+        """The drafted tree: tokens [B, N+1] (root first), depths [B, N+1], mask [B, N+1, N+1]."""
+        raise NotImplementedError
+
+    def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
+        """Accept a path of the verified tree (``hidden`` [B, N+1, H] of the verify forward)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ eligibility
     def capacity_needed(self, seq: Sequence) -> int:
         L = seq.num_committed
-        return max(L + self.C + self.K, L + self.N + 1) + 1
+        return max(L + self.C + self.max_frontier, L + self.N + 1) + 1
 
     def eligible(self, seq: Sequence) -> bool:
-        """Greedy, no penalties, and the MTP state of a previous full speculative step."""
-        params = seq.sampling
-        if not params.greedy or params.has_penalties:
+        """A request this step serves, with the MTP state of a previous full speculative step."""
+        if not self.serves(seq.sampling):
             return False
         L = seq.num_committed
         if len(seq.tokens) != L + 1 or seq.pending_hidden[0] is None:
@@ -265,8 +305,13 @@ class GraphedGreedyTree:
         """
         buf = self._buffers[self._bucket(len(seqs))]
         catch_up = self._load_inputs(buf, seqs)
-        if buf.graph is not None:
-            buf.graph.replay()
+        if self.use_graphs and self.variant not in buf.graphs:
+            # Re-running the step on the loaded inputs is idempotent (every slot it writes is
+            # rewritten), so a variant can be captured on real inputs.
+            self._capture_bucket(buf)
+        graph = buf.graphs.get(self.variant)
+        if graph is not None:
+            graph.replay()
         else:
             self._draft_verify_accept(buf)
         timing = self._timed_rollback(buf)
@@ -297,7 +342,11 @@ class GraphedGreedyTree:
         if self.k > 1:
             carry = torch.cat([h for s in seqs for h in s.pending_hidden[1 : self.k]])  # type: ignore[misc]
             buf.carry[:n].copy_(carry.view(n, self.k - 1, self.hidden_size))
+        self._load_sampling(buf, seqs)
         return c
+
+    def _load_sampling(self, buf: _Buffers, seqs: list[Sequence]) -> None:
+        """Per-sequence sampling inputs (none for greedy trees)."""
 
     def _timed_rollback(self, buf: _Buffers) -> tuple[object, ...]:
         """Run the rollback: timed by CUDA events on GPU (read lazily), by the clock on CPU."""
@@ -387,12 +436,11 @@ class GraphedGreedyTree:
         return hidden.view(B, R, -1)
 
     def _draft_verify_accept(self, buf: _Buffers) -> None:
-        B, C, K, D, N, k, H = buf.bucket, self.C, self.K, self.D, self.N, self.k, self.hidden_size
+        B, C, D, N, k, H = buf.bucket, self.C, self.D, self.N, self.k, self.hidden_size
         L, c = buf.L, buf.c
         window = self._slots(buf.tables, (L[:, None] + self.window_offsets).clamp(min=0))  # [B, W]
         last = (c - 1)[:, None, None].expand(B, 1, H)  # gather index of row c-1
-        cand_tok, cand_score, cand_parent = [], [], []
-        front_tok = front_prev = front_score = front_idx = None
+        front_tok = front_prev = None
         prev_catch = buf.rows0
         next_carry = []
         for m, plan in enumerate(self.plans, start=1):
@@ -412,33 +460,10 @@ class GraphedGreedyTree:
                 if m < k:
                     next_carry.append(last_row)
                     prev_catch = torch.cat([buf.carry[:, m - 1 : m], out[:, : C - 1]], 1)
-            if m > D:
-                continue
-            if m == 1:
-                score, token = topk_last(self.model.draft_logprobs(last_row[:, 0]), K)  # [B, K]
-                cand_tok.append(token)
-                cand_score.append(score)
-                cand_parent.append(self.root_parents.expand(B, K))
-                front_score, front_idx = score, self.first_frontier.expand(B, K)
-                front_prev = last_row.expand(B, K, H)
-            else:
-                assert front_score is not None and front_idx is not None
-                front_out = out[:, -K:]  # [B, K, H] hidden of each frontier node
-                child_logp, child_tok = topk_last(self.model.draft_logprobs(front_out), K)  # [B, K, K]
-                child_score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
-                cand_tok.append(child_tok.reshape(B, K * K))
-                cand_score.append(child_score)
-                cand_parent.append(front_idx[:, :, None].expand(B, K, K).reshape(B, K * K))
-                front_score, pick = child_score.topk(K, -1)  # [B, K]
-                token = child_tok.reshape(B, K * K).gather(1, pick)
-                front_idx = pick + (K + (m - 2) * K * K)
-                front_prev = front_out.gather(1, (pick // K)[:, :, None].expand(B, K, H))
-            front_tok = token  # the next depth's frontier rows: these nodes, at position L + m
-        sel, P = select_nodes(torch.cat(cand_score, 1), torch.cat(cand_parent, 1), N)  # [B, N], [B, N+1]
-        root = buf.tail.gather(1, (c - 1)[:, None])  # [B, 1]
-        tree_tok = torch.cat([root, torch.cat(cand_tok, 1).gather(1, sel)], 1)  # [B, N+1]
-        depth = torch.cat([torch.zeros_like(root), self.cand_depth[sel]], 1)  # [B, N+1]
-        anc = ancestor_mask(P, D)  # [B, N+1, N+1]
+            if m <= D:  # the root's row at depth 1, the frontier rows deeper
+                front = last_row if m == 1 else out[:, C * plan.catch_up :]  # [B, F, H]
+                front_tok, front_prev = self._grow(m, front, buf)
+        tree_tok, depth, mask = self._tree(buf)
         # One target forward over every tree.
         tree_slots = window[:, self.tree_window_start : self.tree_window_start + N + 1]  # [B, N+1]
         batch = AttentionBatch(
@@ -447,12 +472,11 @@ class GraphedGreedyTree:
             block_tables=buf.tables,
             ctx_lens=L.to(torch.int32),
             query_start=buf.query_start[N + 1],
-            new_mask=anc.reshape(B * (N + 1), N + 1),
+            new_mask=mask.reshape(B * (N + 1), N + 1),
         )
         hidden = self.model.forward_target(tree_tok.reshape(-1), batch, self.pool.kv_cache)
         hidden = hidden.view(B, N + 1, -1)
-        target = self.model.lm_head(hidden).argmax(-1)  # [B, N+1] (the argmax of the logits)
-        acc = accept_greedy(tree_tok, P, depth, target, D)
+        acc = self._accept(buf, tree_tok, hidden)
         path = acc.path  # [B, D+1]
         buf.packed.copy_(torch.cat([
             acc.num_accepted, acc.bonus, tree_tok.gather(1, path), acc.has_child.long(),
@@ -483,20 +507,98 @@ class GraphedGreedyTree:
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        mempool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(self._buffers, reverse=True):  # largest first: smaller reuse memory
+            self._capture_bucket(self._buffers[bucket])
+
+    @torch.inference_mode()
+    def _capture_bucket(self, buf: _Buffers) -> None:
+        """Capture the current variant's step (and the rollback, once) for one bucket."""
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        for bucket in sorted(self._buffers, reverse=True):  # largest first: smaller reuse memory
-            buf = self._buffers[bucket]
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (Triton compile/autotune) outside the capture
-                    self._draft_verify_accept(buf)
-                    self._rollback(buf)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up (Triton compile/autotune) outside the capture
                 self._draft_verify_accept(buf)
-            rollback = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(rollback, pool=mempool):
                 self._rollback(buf)
-            buf.graph, buf.rollback_graph = graph, rollback
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            self._draft_verify_accept(buf)
+        buf.graphs[self.variant] = graph
+        if buf.rollback_graph is None:
+            rollback = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(rollback, pool=self._mempool):
+                self._rollback(buf)
+            buf.rollback_graph = rollback
+
+
+class GraphedGreedyTree(GraphedTreeStep):
+    """Greedy EAGLE-2 tree speculation over MTP modules as one static device program."""
+
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        pool: BlockPool,
+        budget: TreeBudget,
+        max_blocks: int,
+        max_batch: int,
+        use_graphs: bool,
+        reuse_last_module: bool = True,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    ) -> None:
+        cfg = model.config
+        if cfg.num_mtp_modules < 1 or not budget.speculates:
+            raise ValueError("GraphedGreedyTree needs MTP modules and a speculating budget")
+        K = min(budget.topk, cfg.vocab_size)
+        D = budget.depth if reuse_last_module else min(budget.depth, cfg.num_mtp_modules)
+        N = min(budget.num_draft_tokens, K + (D - 1) * K * K)
+        if N < D:
+            raise ValueError("num_draft_tokens must be at least the depth for the graphed tree")
+        super().__init__(model, pool, budget, max_blocks, max_batch, use_graphs, D, N,
+                         [0] + [K] * (D - 1), buckets)  # fmt: skip
+        self.K = K
+        # Candidate depth of each candidate index (depth-major creation order).
+        depths = [1] * K + [m for m in range(2, D + 1) for _ in range(K * K)]
+        self.cand_depth = torch.tensor(depths, dtype=torch.long, device=self.device)  # [T]
+        self.root_parents = torch.full((1, K), -1, dtype=torch.long, device=self.device)
+        self.first_frontier = torch.arange(K, device=self.device)  # [K] candidates 0..K-1
+        self._cand: dict[str, list[Tensor]] = {}
+        self._front: tuple[Tensor, Tensor] | None = None  # frontier scores, candidate indices
+        self._capture()
+
+    def serves(self, params: SamplingParams) -> bool:
+        return params.greedy and not params.has_penalties
+
+    def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
+        B, K, H = buf.bucket, self.K, self.hidden_size
+        if m == 1:
+            score, token = topk_last(self.model.draft_logprobs(front_hidden[:, 0]), K)  # [B, K]
+            self._cand = {"tok": [token], "score": [score], "parent": [self.root_parents.expand(B, K)]}
+            self._front = score, self.first_frontier.expand(B, K)
+            return token, front_hidden.expand(B, K, H)
+        assert self._front is not None
+        front_score, front_idx = self._front
+        child_logp, child_tok = topk_last(self.model.draft_logprobs(front_hidden), K)  # [B, K, K]
+        child_score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
+        self._cand["tok"].append(child_tok.reshape(B, K * K))
+        self._cand["score"].append(child_score)
+        self._cand["parent"].append(front_idx[:, :, None].expand(B, K, K).reshape(B, K * K))
+        front_score, pick = child_score.topk(K, -1)  # [B, K]
+        self._front = front_score, pick + (K + (m - 2) * K * K)
+        token = child_tok.reshape(B, K * K).gather(1, pick)
+        return token, front_hidden.gather(1, (pick // K)[:, :, None].expand(B, K, H))
+
+    def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+        cand = self._cand
+        sel, P = select_nodes(torch.cat(cand["score"], 1), torch.cat(cand["parent"], 1), self.N)  # [B, N], [B, N+1]
+        self._parents = P
+        root = buf.tail.gather(1, (buf.c - 1)[:, None])  # [B, 1]
+        tree_tok = torch.cat([root, torch.cat(cand["tok"], 1).gather(1, sel)], 1)  # [B, N+1]
+        self._depth = torch.cat([torch.zeros_like(root), self.cand_depth[sel]], 1)  # [B, N+1]
+        return tree_tok, self._depth, ancestor_mask(P, self.D)
+
+    def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
+        target = self.model.lm_head(hidden).argmax(-1)  # [B, N+1] (the argmax of the logits)
+        acc = accept_greedy(tokens, self._parents, self._depth, target, self.D)
+        return acc

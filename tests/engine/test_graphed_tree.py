@@ -108,7 +108,7 @@ def test_mixed_batch_greedy_graphed_sampled_on_host(small_vocab_dir: Path) -> No
     assert final["g1"].token_ids == base[1].token_ids
     assert len(final["s0"].token_ids) == 40
     assert calls and max(calls) == 2, "only the greedy sequences take the graphed step"
-    assert eng.kv_blocks_used == len(eng.static_forward.scratch) + len(eng.graphed_tree.scratch)  # type: ignore[union-attr]
+    assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
 
 
 def test_graphed_step_is_off_without_static_path(small_vocab_dir: Path) -> None:
@@ -165,3 +165,24 @@ def test_graphed_stop_inside_path_and_second_session_turn(small_vocab_dir: Path)
     assert (g_stop, g_reason) == (ar_stop, ar_reason) and g_stop[-1] == stop
     assert g_turns == ar_turns
     assert g_calls > 0
+
+
+@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: f"{s.method}-{s.topk}-{s.depth}-{s.num_draft_tokens}")
+def test_graphed_sampled_step_at_low_temperature_follows_greedy(small_vocab_dir: Path, spec: SpecConfig) -> None:
+    """The sampled device step (engine/spec/graphed_sampled.py): near temperature 0 both the
+    draft and the target laws are point masses, so its tokens are the argmax tokens; all its
+    plumbing (drawn tree, positions, acceptance walk, KV compaction) is exercised."""
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=STATIC)
+    runner = eng.graphed_sampled
+    assert runner is not None
+    calls: list[int] = []
+    run = runner.run
+    runner.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+    cold = SamplingParams(max_tokens=40, temperature=1e-5, ignore_eos=True)
+    outs = eng.generate(PROMPTS, cold)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert calls and max(calls) == len(PROMPTS)
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0
+    assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
+    assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0

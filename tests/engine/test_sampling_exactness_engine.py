@@ -4,7 +4,9 @@ A 4-token vocabulary makes the joint law of the first three generated tokens enu
 (64 outcomes), computed exactly in float64 from transformers' reference model. The engine's
 samples under tree speculation (children drawn from the MTP distribution, multi-draft recursive
 rejection sampling) must match it by a chi-square test, and the same test must reject a
-deliberately broken residual.
+deliberately broken residual. Both implementations are tested: the host-driven verifier
+(``engine.spec.verifier``) and the device-resident step (``engine.spec.graphed_sampled``, the
+CUDA-graph code run eagerly on CPU), which draws from the default generator.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+import engine.spec.device_tree as device_tree
 import engine.spec.verifier as verifier
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from tests.model_factory import build_checkpoint
@@ -45,14 +48,21 @@ def _exact_joint(folder: Path) -> dict[tuple[int, ...], float]:
     return joint
 
 
-def _sample(folder: Path) -> Counter[tuple[int, ...]]:
+def _sample(folder: Path, graphed: bool = False) -> Counter[tuple[int, ...]]:
     eng = LLMEngine.from_pretrained(
         folder, spec=SpecConfig(method="tree", topk=2, depth=3, num_draft_tokens=5),
-        engine_config=EngineConfig(max_batch_size=256),
+        engine_config=EngineConfig(max_batch_size=256, cuda_graphs=graphed),
     )
+    calls: list[int] = []
+    if graphed:
+        assert eng.graphed_sampled is not None
+        run = eng.graphed_sampled.run
+        eng.graphed_sampled.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+    torch.manual_seed(5)  # the device step draws from the default generator
     sp = SamplingParams(max_tokens=3, temperature=TEMPERATURE, ignore_eos=True)
     outs = eng.generate([PROMPT] * SAMPLES, sp)
     assert sum(o.stats.num_accepted_tokens for o in outs) > SAMPLES // 4  # drafts were used
+    assert bool(calls) == graphed  # the device step served the decode steps it was built for
     return Counter(tuple(o.token_ids) for o in outs)
 
 
@@ -64,13 +74,18 @@ def _p_value(joint: dict[tuple[int, ...], float], counts: Counter[tuple[int, ...
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-def test_tree_sampling_matches_exact_joint(vocab4_dir: Path) -> None:
+@pytest.mark.parametrize("graphed", [False, True], ids=["host", "device"])
+def test_tree_sampling_matches_exact_joint(vocab4_dir: Path, graphed: bool) -> None:
     joint = _exact_joint(vocab4_dir)
-    assert _p_value(joint, _sample(vocab4_dir)) > 1e-3
+    assert _p_value(joint, _sample(vocab4_dir, graphed)) > 1e-3
 
 
-def test_chi_square_catches_a_broken_residual(vocab4_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("graphed", [False, True], ids=["host", "device"])
+def test_chi_square_catches_a_broken_residual(
+    vocab4_dir: Path, monkeypatch: pytest.MonkeyPatch, graphed: bool
+) -> None:
     joint = _exact_joint(vocab4_dir)
     # Forget to subtract the draft distribution after a rejection.
     monkeypatch.setattr(verifier, "_residual", lambda p, q: p.clone())
-    assert _p_value(joint, _sample(vocab4_dir)) < 1e-6
+    monkeypatch.setattr(device_tree, "residual", lambda p, q: p.clone())
+    assert _p_value(joint, _sample(vocab4_dir, graphed)) < 1e-6

@@ -28,7 +28,8 @@ def _controller(
 ) -> tuple[SimpleNamespace, AdaptiveController]:
     monkeypatch.setattr(adaptive, "calibrate_latency", lambda engine, budget: latency)
     eng = SimpleNamespace(
-        acceptance=AcceptanceCounter(), graphed_tree=object() if graphed else None
+        acceptance=AcceptanceCounter(), graphed_tree=object() if graphed else None,
+        graphed_sampled=None,
     )
     return eng, AdaptiveController(eng, MAX)  # type: ignore[arg-type]
 
