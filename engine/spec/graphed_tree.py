@@ -227,6 +227,7 @@ class GraphedTreeStep:
         # Which variant of the device program the loaded batch needs (sampled trees: whether a
         # request uses top-k / top-p); variants other than False are captured on first use.
         self.variant = False
+        self._eager_variants: dict[bool, str] = {}  # variants whose capture failed -> error
         self._mempool: Any = None  # CUDA graph memory pool handle, shared by all captures
 
     def _capture(self) -> None:
@@ -305,10 +306,13 @@ class GraphedTreeStep:
         """
         buf = self._buffers[self._bucket(len(seqs))]
         catch_up = self._load_inputs(buf, seqs)
-        if self.use_graphs and self.variant not in buf.graphs:
+        if self.use_graphs and self.variant not in buf.graphs | self._eager_variants:
             # Re-running the step on the loaded inputs is idempotent (every slot it writes is
             # rewritten), so a variant can be captured on real inputs.
-            self._capture_bucket(buf)
+            error = capture_or_run_eagerly(lambda: self._capture_bucket(buf), lambda: None,
+                                           f"{type(self).__name__} variant {self.variant}")  # fmt: skip
+            if error is not None:
+                self._eager_variants[self.variant] = error
         graph = buf.graphs.get(self.variant)
         if graph is not None:
             graph.replay()
