@@ -604,9 +604,14 @@ class LLMEngine:
             i for i, s in enumerate(seqs) if not s.sampling.greedy and not s.sampling.has_penalties
         ]
         if sampled:
-            st = SamplingTensors.from_params([seqs[i].sampling for i in sampled], logits.device)
-            probs = probs_from_logits(logits[sampled], st.temperature, st.top_k, st.top_p)
-            drawn = sample_rows(probs, [seqs[i].generator for i in sampled])
+            params = [seqs[i].sampling for i in sampled]
+            st = SamplingTensors.from_params(params, logits.device)
+            filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params)  # known here: no device read
+            probs = probs_from_logits(logits[sampled], st.temperature, st.top_k, st.top_p, filters=filters)
+            # Seeded requests draw from their own generator (reproducible); the others share
+            # the device's default generator, one kernel for all their rows.
+            drawn = sample_rows(probs, [seqs[i].generator if p.seed is not None else None
+                                        for i, p in zip(sampled, params, strict=True)])  # fmt: skip
             for i, token in zip(sampled, drawn, strict=True):
                 out[i] = token
         return [

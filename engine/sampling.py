@@ -170,19 +170,20 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator) -> int:
     return int(token)
 
 
-def sample_rows(probs: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+def sample_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of ``probs`` ``[R, V]``, row r drawn with ``generators[r]``.
 
     The same exponential race as ``sample_from_probs``, consuming each generator the same way,
     so a seeded request draws the same tokens whether its row is sampled alone or in a batch;
-    the rows share one max and one device-to-host copy.
+    rows whose generator is None (unseeded requests) draw from the device's default generator,
+    all in one kernel. The rows share one max and one device-to-host copy.
     """
     if probs.dim() != 2 or probs.shape[0] != len(generators):
         raise ValueError(f"probs must be [R, V] with one generator per row, got {tuple(probs.shape)}")
-    exp = torch.stack(
-        [torch.empty(probs.shape[1], dtype=torch.float32, device=probs.device).exponential_(generator=g)
-         for g in generators]
-    )  # [R, V]
+    exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_()  # [R, V]
+    for row, gen in zip(exp, generators, strict=True):
+        if gen is not None:
+            row.exponential_(generator=gen)
     best, tokens = (probs.float() / exp.clamp_(min=_TINY)).max(dim=-1)  # [R] x2
     out = torch.stack([tokens, (best > 0).long()]).tolist()
     if not all(out[1]):

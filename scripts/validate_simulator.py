@@ -104,7 +104,10 @@ def main() -> None:
     calib, test = prompts[: args.prompts], prompts[args.prompts :]
     report: dict[str, object] = {"model": args.model, "device": args.device, "loadavg": os.getloadavg(), "runs": {}}
     for temperature in (0.0, 1.0):
-        sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0)
+        # Unseeded when sampling: seeded requests take the host-driven path, unseeded ones the
+        # graphed sampled step where the engine has one (the path an operator's traffic takes).
+        seed = 0 if temperature == 0.0 else None
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=seed)
         wide = LLMEngine.from_pretrained(
             args.model, spec=SpecConfig(method="tree", topk=3, depth=6, num_draft_tokens=16), **load
         )
