@@ -34,8 +34,12 @@ class Contender:
 
     def run(self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int) -> BatchRun:
         if self.engine is not None:
-            sampling = SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed,
-                                      ignore_eos=True)
+            # Greedy runs carry the seed (unused); sampled runs are unseeded like most API
+            # traffic, which the graphed sampled step serves (a seeded request takes the
+            # host-driven path to stay reproducible): the device generators get the seed.
+            torch.manual_seed(seed)
+            sampling = SamplingParams(max_tokens=new_tokens, temperature=temperature,
+                                      seed=seed if temperature == 0 else None, ignore_eos=True)
             return run_batch(self.engine, prompts, sampling)
         assert self.hf is not None
         return self.hf.run(prompts, new_tokens, temperature,

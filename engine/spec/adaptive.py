@@ -196,10 +196,12 @@ class AdaptiveController:
                 min_path_prob=self.max_budget.min_path_prob,
             )
         self._forget_other_shapes(batch_size, sampled, tree)
-        # Measured step costs, once there are both, decide; until then the plan does.
+        # Measured step costs, once there are both, decide; until then the plan does, except
+        # on the graphed path: the plan models eager forwards and host work of the host-driven
+        # path, nothing like a graph replay, so there both choices are measured first.
         measured_ar = self._measured_says_ar(batch_size, sampled)
-        if measured_ar is None and plan.budget > 0:  # measure both choices first, alternating
-            return tree if self._calls % 2 else no_spec
+        if measured_ar is None and (plan.budget > 0 or graphed is not None):
+            return tree if self._calls % 2 else no_spec  # measure both, alternating
         if measured_ar is False:
             return no_spec if periodic else tree
         # AR wins (measured so, or planned so while unmeasured): a run of speculative steps now

@@ -117,3 +117,18 @@ def test_one_buckets_batch_sizes_share_one_planned_shape(monkeypatch: pytest.Mon
     for batch in (3, 2, 3):
         controller.choose(eng, batch)  # type: ignore[arg-type]
         assert (2, False, True) in controller._steps
+
+
+def test_graphed_path_measures_both_choices_first_whatever_the_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the graphed path the plan (eager forwards) is no guide: with nothing measured the
+    controller alternates, so speculation that pays is found within a few steps (a benchmark
+    round of 64 AR steps is too short to wait for exploration)."""
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
+    budgets = _drive(eng, controller, spec=(0.02, 16), ar=(0.01, 4))
+    assert sum(b.speculates for b in budgets[:8]) >= 3
+    assert all(b.speculates for b in budgets[10:40])
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=False)
+    budgets = _drive(eng, controller, spec=(0.02, 16), ar=(0.01, 4))
+    assert not any(b.speculates for b in budgets[:8]), "host path: the plan decides until measured"
