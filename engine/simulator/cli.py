@@ -4,12 +4,15 @@ Usage::
 
     mtpserve simulate --stats STATS.json --latency LATENCY.json [--budget N]
         [--batch-sizes 1 2 4 ...] [--max-depth D] [--max-width K] [--tree SPEC|FILE]
-        [--measured RUNS.json] [--out simulate.png]
+        [--measured RUNS.json] [--out simulate.png] [--recommend-default]
 
 Prints, per batch size, the budget and tree with the most predicted tokens/s (budget 0 = no
 speculation), draws the figure, and, when asked, the figures of one given tree (``--tree``:
 ``chain:N``, ``kary:K:N`` or a JSON shape file) and the prediction error against measured runs
-(``--measured``, see ``validation.py``).
+(``--measured``, see ``validation.py``). ``--recommend-default`` prints instead the drafter budget
+(``topk``, ``depth``, ``num_draft_tokens``) of the best tree at the smallest batch size, which is
+how the default trees of ``engine/spec/defaults.py`` are derived (``Derivation.command()`` there
+gives the exact line per device), and writes no figure.
 """
 
 from __future__ import annotations
@@ -52,7 +55,34 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree", default=None, help="also evaluate this shape (spec or JSON file)")
     ap.add_argument("--measured", default=None, help="measured runs JSON: report the error")
     ap.add_argument("--out", default="simulate.png", help="PNG to write")
+    ap.add_argument(
+        "--recommend-default",
+        action="store_true",
+        help="print the default tree budget derived at the smallest batch size and exit",
+    )
     return ap
+
+
+def _recommend_default(
+    stats: AcceptanceStats, latency: LatencyModel, args: argparse.Namespace, batch_size: int
+) -> None:
+    from engine.spec.defaults import budget_from_plan, default_plan  # noqa: PLC0415 (torch)
+
+    plan = default_plan(stats, latency, batch_size, args.budget, args.max_depth, args.max_width)
+    budget = budget_from_plan(plan)
+    print(
+        f"Default tree at batch {batch_size}: topk={budget.topk} depth={budget.depth} "
+        f"num_draft_tokens={budget.num_draft_tokens}"
+    )
+    if plan.budget == 0:
+        print("(speculation does not pay at this batch size: no tree)")
+        return
+    print(
+        f"predicted accepted length {plan.expected_length:.3f}, {plan.tokens_per_s:.1f} tokens/s, "
+        f"speedup {plan.speedup:.3f}x over autoregressive"
+    )
+    print(plan.shape.pretty(node_probabilities(plan.shape, stats)))
+    print(f"widths per depth: {plan.widths_per_depth()}")
 
 
 def _load_tree(spec: str) -> TreeShape:
@@ -72,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         stats = AcceptanceStats.from_json(args.stats)
         latency = LatencyModel.from_json(args.latency)
         batch_sizes = sorted(set(args.batch_sizes))
+        if args.recommend_default:
+            _recommend_default(stats, latency, args, batch_sizes[0])
+            return 0
         planner = SpeculationPlanner(
             stats, latency, range(args.budget + 1), args.max_depth, args.max_width
         )

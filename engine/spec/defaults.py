@@ -1,20 +1,166 @@
-"""Documented default draft-tree shapes per device, and SpecConfig -> TreeBudget resolution.
+"""Default draft-tree shapes per device, how they are derived, and SpecConfig -> TreeBudget.
 
-CPU: compute grows with every verified token, so the default tree is narrow and deep enough to
-use the trained MTP modules (chosen by measurement on the demo model: see README, "Speculation
-defaults"). GPU: a verify step costs about the same for tens of tokens, so the tree is wider.
+The greedy default trees are the tree optimiser's choice at batch 1 (``derive_default_budget``:
+``SpeculationPlanner`` picks the shape with the most predicted tokens/s; its widest node, deepest
+node and node count become ``topk``, ``depth`` and ``num_draft_tokens``) on measured inputs
+shipped in ``engine/spec/default_inputs/`` (written by ``scripts/default_tree_inputs.py``; each
+file's ``source`` says how it was measured). The constants below are that choice written out, so
+that importing this module computes nothing; ``tests/engine/simulator/test_defaults_derivation.py``
+re-derives them from the shipped inputs, so the two cannot drift apart. Re-derive with the line
+of ``DERIVATIONS[device].command()``, for the CPU::
+
+    mtpserve simulate --stats engine/spec/default_inputs/cpu-demo-greedy-stats.json \\
+        --latency engine/spec/default_inputs/cpu-demo-latency.json \\
+        --budget 32 --max-depth 8 --max-width 4 --batch-sizes 1 --recommend-default
+
+CPU (demo model, 2 threads): each drafted depth costs an MTP forward and host work (~1.9 ms
+together, against a ~5 ms autoregressive step), so the best tree is narrow and about as deep as
+the four trained MTP modules reach: 2 wide, 5 deep, 7 nodes. Its predicted speed is flat near the optimum (2x6-10 is
+1.9% slower in the model); measured with the benchmark it was not slower than the previous 2x6-10
+(README, "Speculation defaults").
+
+GPU (gpu preset, H200, graphed greedy step): a verify step costs about the same for tens of
+tokens, so the tree is wide; each depth costs ~0.17 ms of a ~1.1 ms step, so 6 deep (the model
+also ranks 4x6-32 above 4x8-40, as the H200 did at every batch size). The optimiser asks for 3
+children at most because the H200 counters come from a top-3 tree; the graphed drafter keeps the
+top-4 frontier it was measured with. 32 nodes is ``max_budget``: the predicted speed is within
+0.4% from 32 to 48 nodes, and 32 is the largest depth-6 tree measured there.
+
+``min_path_prob`` (EAGLE-2's confidence cut on greedy host-driven trees) is not the optimiser's:
+it models fixed shapes; the cut was chosen by measurement.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 from engine.params import SpecConfig
-from engine.simulator import AcceptanceStats, optimal_tree
+from engine.simulator import AcceptanceStats, LatencyModel, TreePlan, best_budget, optimal_tree
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.drafter import TreeBudget
 
-CPU_TREE = TreeBudget(topk=2, depth=6, num_draft_tokens=10, min_path_prob=0.15)
-GPU_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)  # full trees keep CUDA graphs usable
+# Derived (module docstring); DERIVATIONS holds the inputs and limits they come from.
+CPU_MIN_PATH_PROB = 0.15
+CPU_TREE = TreeBudget(topk=2, depth=5, num_draft_tokens=7, min_path_prob=CPU_MIN_PATH_PROB)
+# Depth and size derived; topk 4 as measured on the H200 (the inputs hold 3 ranks). Full trees
+# (no confidence cut) keep CUDA graphs usable.
+GPU_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
 CHAIN_DEPTH = 4
+
+DEFAULT_INPUTS = Path(__file__).with_name("default_inputs")
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """Measured inputs (files in ``DEFAULT_INPUTS``) and optimiser limits of one default tree.
+
+    Limits: ``max_budget`` draft nodes, ``max_depth`` draft depths, ``max_width`` children per
+    node (the depths and ranks the acceptance statistics were measured over).
+    """
+
+    stats_file: str
+    latency_file: str
+    max_budget: int
+    max_depth: int
+    max_width: int
+    min_path_prob: float = 0.0
+    batch_size: int = 1
+
+    def inputs(self) -> tuple[AcceptanceStats, LatencyModel]:
+        return (
+            AcceptanceStats.from_json(DEFAULT_INPUTS / self.stats_file),
+            LatencyModel.from_json(DEFAULT_INPUTS / self.latency_file),
+        )
+
+    def derive(self) -> TreeBudget:
+        """The optimiser's budget on the shipped inputs (reads two small JSON files)."""
+        stats, latency = self.inputs()
+        return derive_default_budget(
+            stats,
+            latency,
+            self.batch_size,
+            self.max_budget,
+            self.max_depth,
+            self.max_width,
+            self.min_path_prob,
+        )
+
+    def command(self) -> str:
+        """The ``mtpserve simulate`` line that prints this derivation."""
+        rel = DEFAULT_INPUTS.relative_to(DEFAULT_INPUTS.parents[2])
+        return (
+            f"mtpserve simulate --stats {rel / self.stats_file} --latency "
+            f"{rel / self.latency_file} --budget {self.max_budget} --max-depth {self.max_depth} "
+            f"--max-width {self.max_width} --batch-sizes {self.batch_size} --recommend-default"
+        )
+
+
+DERIVATIONS = {
+    "cpu": Derivation(
+        "cpu-demo-greedy-stats.json",
+        "cpu-demo-latency.json",
+        max_budget=32,
+        max_depth=8,
+        max_width=4,
+        min_path_prob=CPU_MIN_PATH_PROB,
+    ),
+    "cuda": Derivation(
+        "h200-gpu-greedy-stats.json",
+        "h200-gpu-latency.json",
+        max_budget=32,
+        max_depth=8,
+        max_width=3,
+    ),
+}
+
+
+def default_plan(
+    stats: AcceptanceStats,
+    latency: LatencyModel,
+    batch_size: int = 1,
+    max_budget: int = 32,
+    max_depth: int | None = 8,
+    max_width: int | None = 4,
+) -> TreePlan:
+    """The optimiser's best tree (or no speculation) at ``batch_size`` within the limits."""
+    return best_budget(stats, latency, batch_size, range(max_budget + 1), max_depth, max_width)
+
+
+def budget_from_plan(plan: TreePlan, min_path_prob: float = 0.0) -> TreeBudget:
+    """A drafter budget that holds the plan's tree: its widest node's children (``topk``), its
+    deepest node (``depth``) and its node count (``num_draft_tokens``)."""
+    if plan.budget == 0:
+        return TreeBudget(topk=1, depth=0, num_draft_tokens=0)
+    return TreeBudget(
+        topk=plan.topk,
+        depth=plan.max_depth,
+        num_draft_tokens=plan.budget,
+        min_path_prob=min_path_prob,
+    )
+
+
+def derive_default_budget(
+    stats: AcceptanceStats,
+    latency: LatencyModel,
+    batch_size: int = 1,
+    max_budget: int = 32,
+    max_depth: int | None = 8,
+    max_width: int | None = 4,
+    min_path_prob: float = 0.0,
+) -> TreeBudget:
+    """The default greedy tree budget the optimiser gives for these measured inputs.
+
+    Raises:
+        ValueError: speculation does not pay at ``batch_size`` (the best plan drafts nothing).
+    """
+    plan = default_plan(stats, latency, batch_size, max_budget, max_depth, max_width)
+    if plan.budget == 0:
+        raise ValueError(
+            f"the optimiser predicts no speedup from speculation at batch {batch_size} on these "
+            "inputs: there is no default tree to derive"
+        )
+    return budget_from_plan(plan, min_path_prob)
 
 
 def resolve_budget(spec: SpecConfig, device_type: str, vocab_size: int) -> TreeBudget:
@@ -54,4 +200,6 @@ def sampled_tree_shape(budget: TreeBudget, snapshot: dict[str, object] | None) -
             stats = AcceptanceStats.from_dict(snapshot)
         except ValueError:
             stats = SAMPLED_PRIOR
-    return optimal_tree(stats, budget.num_draft_tokens, max_depth=budget.depth, max_width=budget.topk)
+    return optimal_tree(
+        stats, budget.num_draft_tokens, max_depth=budget.depth, max_width=budget.topk
+    )

@@ -1,0 +1,115 @@
+"""The default greedy trees are the optimiser's choice on the measured inputs shipped with them."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from engine.simulator import AcceptanceStats, LatencyModel, estimate, optimal_tree
+from engine.simulator.cli import main
+from engine.simulator.tree_shape import TreeShape
+from engine.spec.defaults import (
+    CPU_TREE,
+    DEFAULT_INPUTS,
+    DERIVATIONS,
+    GPU_TREE,
+    budget_from_plan,
+    default_plan,
+    derive_default_budget,
+)
+from engine.spec.drafter import TreeBudget
+
+
+def test_cpu_default_is_the_optimisers_choice_on_the_shipped_inputs() -> None:
+    assert DERIVATIONS["cpu"].derive() == CPU_TREE
+
+
+def test_gpu_default_depth_and_size_are_the_optimisers_choice_on_the_h200_inputs() -> None:
+    derived = DERIVATIONS["cuda"].derive()
+    assert (derived.depth, derived.num_draft_tokens) == (GPU_TREE.depth, GPU_TREE.num_draft_tokens)
+    # The H200 counters come from a top-3 tree: the optimiser never sees a 4th rank, so it can only
+    # ask for at most 3 children; the graphed drafter keeps the top-4 frontier measured on the H200.
+    assert derived.topk <= GPU_TREE.topk
+    assert derived.min_path_prob == GPU_TREE.min_path_prob == 0.0
+
+
+def _fixed(spec: str, stats: AcceptanceStats) -> TreeShape:
+    """The optimal shape of a ``TOPKxDEPTH-N`` budget (what the planner assumes for it)."""
+    width, rest = spec.split("x")
+    depth, nodes = rest.split("-")
+    return optimal_tree(stats, int(nodes), max_depth=int(depth), max_width=int(width))
+
+
+def test_h200_inputs_rank_the_measured_shapes_as_the_h200_did() -> None:
+    """bench/results/h200-2026-12-01-shapes.md: 4x6-32 beat 4x8-40 and the chain at batch 1."""
+    stats, latency = DERIVATIONS["cuda"].inputs()
+    speed = {
+        s: estimate(_fixed(s, stats), stats, latency, 1).speedup
+        for s in ("1x4-4", "4x6-32", "4x8-40")
+    }
+    assert speed["4x6-32"] > speed["4x8-40"] > speed["1x4-4"] > 1.0
+
+
+def test_derivations_read_the_shipped_measurements() -> None:
+    for derivation in DERIVATIONS.values():
+        stats_data = json.loads((DEFAULT_INPUTS / derivation.stats_file).read_text())
+        latency_data = json.loads((DEFAULT_INPUTS / derivation.latency_file).read_text())
+        assert stats_data["source"] and latency_data["source"]  # where the numbers come from
+        stats, _ = derivation.inputs()
+        # rank_accept is written next to the counters it was estimated from
+        assert stats == AcceptanceStats.from_counts(
+            stats_data["depth_rank_accepted"], stats_data["depth_reached"]
+        )
+        assert max(len(row) for row in stats.rank_accept) <= derivation.max_width
+
+
+def test_the_documented_command_prints_the_cpu_default(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = shlex.split(DERIVATIONS["cpu"].command())
+    assert argv[:2] == ["mtpserve", "simulate"]
+    root = DEFAULT_INPUTS.parents[2]
+    argv = [str(root / a) if a.endswith(".json") else a for a in argv[2:]]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (
+        f"Default tree at batch 1: topk={CPU_TREE.topk} depth={CPU_TREE.depth} "
+        f"num_draft_tokens={CPU_TREE.num_draft_tokens}"
+    )
+
+
+# ---- hand-made inputs whose answer is obvious --------------------------------------------------
+
+
+def test_near_perfect_acceptance_and_flat_latency_give_the_largest_deepest_tree() -> None:
+    stats = AcceptanceStats(tuple((0.97, 0.02) for _ in range(8)))
+    flat = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=0.0)  # drafts and nodes free
+    budget = derive_default_budget(stats, flat, max_budget=32, max_depth=8, max_width=4)
+    assert budget == TreeBudget(topk=2, depth=8, num_draft_tokens=32)
+
+
+def test_poor_acceptance_and_steep_latency_give_a_small_tree() -> None:
+    stats = AcceptanceStats(tuple((0.5, 0.1) for _ in range(8)))
+    # every verified token costs a fifth of a step, every drafted depth a fifth too
+    steep = LatencyModel.analytic(0.01, verify_per_token=0.002, draft_fixed=0.002)
+    budget = derive_default_budget(stats, steep, min_path_prob=0.2)
+    assert budget == TreeBudget(topk=1, depth=1, num_draft_tokens=1, min_path_prob=0.2)
+
+
+def test_no_default_tree_when_speculation_never_pays() -> None:
+    stats = AcceptanceStats(tuple((0.2, 0.05) for _ in range(8)))
+    steep = LatencyModel.analytic(0.01, verify_per_token=0.002, draft_fixed=0.002)
+    assert default_plan(stats, steep).budget == 0
+    assert budget_from_plan(default_plan(stats, steep)).num_draft_tokens == 0
+    with pytest.raises(ValueError, match="no speedup"):
+        derive_default_budget(stats, steep)
+
+
+def test_budget_holds_the_plans_tree() -> None:
+    stats = AcceptanceStats(((0.6, 0.3, 0.05), (0.8, 0.1), (0.7,)))
+    latency = LatencyModel.analytic(0.01, 0.0001, draft_fixed=0.0005)
+    plan = default_plan(stats, latency, max_budget=12, max_depth=5, max_width=3)
+    budget = budget_from_plan(plan)
+    shape = plan.shape
+    assert budget.topk == max(len(shape.children(i)) for i in range(shape.num_nodes))
+    assert budget.depth == max(shape.depths) and budget.num_draft_tokens == shape.budget
