@@ -154,6 +154,7 @@ class StaticTargetForward:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool):
                 st.out.copy_(self.model.forward_target(st.ids, st.batch(), self.pool.kv_cache))
+            graph.replay()  # the first replay uploads the graph: not in a served step
             st.graph = graph
         self._zero_scratch()
 

@@ -55,14 +55,20 @@ class _StepCost:
     """EWMAs of one kind of decode step: seconds and emitted tokens per step.
 
     Cost per token is their ratio (a ratio of sums): averaging per-step ratios would over-weight
-    the steps that happen to accept little.
+    the steps that happen to accept little. A step counts at most twice the fastest one seen: a
+    stall (a graph's first replay uploads it, a garbage collection, a page fault) is not what
+    the choice costs, and one such step used to swing the decision for hundreds of steps.
     """
 
     seconds: float
     tokens: float
     count: int
+    fastest: float = float("inf")
 
     def add(self, seconds: float, tokens: int) -> None:
+        self.fastest = min(self.fastest, seconds)
+        seconds = min(seconds, 2 * self.fastest)
+        self.seconds = min(self.seconds, 2 * self.fastest)
         rate = max(0.2, 1 / (self.count + 1))
         self.seconds += (seconds - self.seconds) * rate
         self.tokens += (tokens - self.tokens) * rate
@@ -96,7 +102,7 @@ class AdaptiveController:
         key = (batch_size.bit_length(), sampled, speculated)
         cost = self._steps.get(key)
         if cost is None:
-            self._steps[key] = _StepCost(seconds, float(tokens), 1)
+            self._steps[key] = _StepCost(seconds, float(tokens), 1, seconds)
         else:
             cost.add(seconds, tokens)
 

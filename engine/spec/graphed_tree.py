@@ -529,12 +529,16 @@ class GraphedTreeStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
             self._draft_verify_accept(buf)
-        buf.graphs[self.variant] = graph
         if buf.rollback_graph is None:
             rollback = torch.cuda.CUDAGraph()
             with torch.cuda.graph(rollback, pool=self._mempool):
                 self._rollback(buf)
             buf.rollback_graph = rollback
+        # The first replay uploads a graph (milliseconds): do it here, not in a served step
+        # (idempotent on the loaded inputs, like the warm-up).
+        graph.replay()
+        buf.rollback_graph.replay()
+        buf.graphs[self.variant] = graph
 
 
 class GraphedGreedyTree(GraphedTreeStep):
