@@ -137,15 +137,21 @@ class AdaptiveController:
 
     def _measured_says_ar(self, batch_size: int, sampled: bool) -> bool | None:
         """Whether measured steps favour AR at this batch size; None while nothing comparable
-        was measured. The bucket's own costs decide once measured; until then a neighbouring
-        bucket stands in (not a farther one: per-token costs at batch 1 say little about
-        batch 64)."""
+        was measured. The bucket's own costs decide once measured. Until then other buckets
+        stand in through monotonicity: a verify step's cost grows with the batch while an AR
+        step's hardly does, so speculation that wins at a larger batch wins here, and AR that
+        wins at a smaller batch wins here (a batch shrinking as its sequences finish at
+        different steps then keeps speculating without re-measuring every bucket)."""
         target = batch_size.bit_length()
-        for bucket in (target, target - 1, target + 1):
-            costs = self._costs(bucket, sampled)
-            if costs is not None:
-                spec, ar = costs
-                return spec.per_token > ar.per_token
+        own = self._costs(target, sampled)
+        if own is not None:
+            return own[0].per_token > own[1].per_token
+        measured = {b: c[0].per_token > c[1].per_token for b in {k[0] for k in self._steps}
+                    if (c := self._costs(b, sampled)) is not None}  # fmt: skip
+        if any(not says_ar for b, says_ar in measured.items() if b > target):
+            return False
+        if any(says_ar for b, says_ar in measured.items() if b < target):
+            return True
         return None
 
     def _stats(self, engine: LLMEngine) -> AcceptanceStats:

@@ -85,24 +85,33 @@ def test_measured_ar_overrules_a_plan_that_says_speculate(monkeypatch: pytest.Mo
     assert any(b.speculates for b in budgets[100:]), "speculation is still explored once measured"
 
 
-def test_a_buckets_own_costs_win_and_only_neighbours_stand_in(
+def test_a_buckets_own_costs_win_and_other_buckets_stand_in_by_monotonicity(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Speculation measured to win at batch 16 wins at smaller batches; AR measured to win at
+    batch 64 wins at larger ones; nothing follows the other way round."""
     _, controller = _controller(monkeypatch, PLAN_SAYS_SPEC)
-    for _ in range(5):  # batch 2 (bucket 2): AR cheaper per token
+    for _ in range(2):  # batch 16 (bucket 5): speculation cheaper, but only 2 steps of each
+        controller.observe(16, True, seconds=0.01, tokens=64)
+        controller.observe(16, False, seconds=0.01, tokens=16)
+    assert controller._measured_says_ar(4, False) is None  # fewer than 3 of each: not measured
+    controller.observe(16, True, seconds=0.01, tokens=64)
+    controller.observe(16, False, seconds=0.01, tokens=16)
+    assert controller._measured_says_ar(16, False) is False  # 3 of each: its own costs decide
+    assert controller._measured_says_ar(4, False) is False  # smaller batch: speculation too
+    assert controller._measured_says_ar(64, False) is None  # larger batch: unknown
+    for _ in range(3):  # batch 64 (bucket 7): AR cheaper per token
+        controller.observe(64, True, seconds=0.04, tokens=64)
+        controller.observe(64, False, seconds=0.01, tokens=64)
+    assert controller._measured_says_ar(64, False) is True
+    assert controller._measured_says_ar(256, False) is True  # larger batch: AR too
+    assert controller._measured_says_ar(32, False) is None  # between the two: nothing follows
+    assert controller._measured_says_ar(4, True) is None  # sampled steps are apart
+    for _ in range(3):  # batch 2 (bucket 2) measured AR cheaper, contradicting batch 16
         controller.observe(2, True, seconds=0.04, tokens=4)
         controller.observe(2, False, seconds=0.01, tokens=2)
-    for _ in range(2):  # batch 4 (bucket 3): speculation cheaper, but only 2 steps of each
-        controller.observe(4, True, seconds=0.01, tokens=8)
-        controller.observe(4, False, seconds=0.01, tokens=4)
-    assert controller._measured_says_ar(4, False) is True  # the neighbour stands in
-    controller.observe(4, True, seconds=0.01, tokens=8)
-    controller.observe(4, False, seconds=0.01, tokens=4)
-    assert controller._measured_says_ar(4, False) is False  # 3 of each: its own costs decide
-    assert controller._measured_says_ar(2, False) is True
-    assert controller._measured_says_ar(8, False) is False  # bucket 4: bucket 3 stands in
-    assert controller._measured_says_ar(64, False) is None  # bucket 7: too far from either
-    assert controller._measured_says_ar(4, True) is None  # sampled steps are apart
+    assert controller._measured_says_ar(2, False) is True  # its own costs
+    assert controller._measured_says_ar(1, False) is False  # larger buckets' wins come first
 
 
 def test_one_buckets_batch_sizes_share_one_planned_shape(monkeypatch: pytest.MonkeyPatch) -> None:
