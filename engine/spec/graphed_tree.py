@@ -20,9 +20,11 @@ nodes on an accepted path, C = P + CATCH_UP_SLACK catch-up rows):
   (ties: creation order, so the set is ancestor-closed) become the tree, in creation order.
 
 A sequence qualifies when it decodes greedily without penalties and its MTP state is the steady
-state of the previous speculative step (``eligible``); any other sequence (first step after a
-prefill, sampling, penalties) takes the host-driven path in the same engine step. Greedy output
-is identical to autoregressive decoding whatever tree is drafted, and the tests check it.
+state of the previous speculative step (``eligible``); sampled sequences take the sampled
+counterpart (``engine.spec.graphed_sampled``) and any other sequence (penalties, a seed, MTP
+state not caught up) the host-driven path in the same engine step. Greedy output is identical to
+autoregressive decoding whatever tree is drafted, and the tests check it. ``GraphedTreeStep``
+holds what both tree policies share; ``GraphedGreedyTree`` is the greedy policy.
 
 On CPU (``use_graphs=False``) the same code runs eagerly, which is how it is tested in CI.
 """
