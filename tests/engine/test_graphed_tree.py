@@ -186,3 +186,32 @@ def test_graphed_sampled_step_at_low_temperature_follows_greedy(small_vocab_dir:
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0
     assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
     assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
+
+
+def test_greedy_and_unseeded_sampled_sequences_both_graphed_in_one_step(small_vocab_dir: Path) -> None:
+    """A mixed batch runs both device steps in the same engine step; the greedy sequences keep
+    the autoregressive tokens and nothing is left in the KV cache afterwards."""
+    spec = SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9)
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS[:2], GREEDY)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=STATIC)
+    steps: list[tuple[str, int]] = []
+    for name in ("graphed_tree", "graphed_sampled"):
+        runner = getattr(eng, name)
+        run = runner.run
+        runner.run = lambda seqs, run=run, name=name: steps.append((name, len(seqs))) or run(seqs)
+    sampled = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, ignore_eos=True)
+    eng.add_request("g0", PROMPTS[0], GREEDY)
+    eng.add_request("s0", PROMPTS[2], sampled)
+    eng.add_request("g1", PROMPTS[1], GREEDY)
+    eng.add_request("s1", PROMPTS[3], sampled)
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert final["g0"].token_ids == base[0].token_ids
+    assert final["g1"].token_ids == base[1].token_ids
+    assert len(final["s0"].token_ids) == len(final["s1"].token_ids) == 40
+    assert ("graphed_tree", 2) in steps and ("graphed_sampled", 2) in steps
+    assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
+    assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
