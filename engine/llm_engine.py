@@ -149,6 +149,9 @@ class LLMEngine:
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget)
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
+        # Tokens this step's decode produced before max_tokens / stop truncation: what the
+        # chosen speculation (or none) delivers, the measure the adaptive controller compares.
+        self._step_tokens = 0
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: list[ZeroEvent] = []
@@ -348,11 +351,12 @@ class LLMEngine:
             self._prefill(plan.prefill, outputs)
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
         self._step_caught_up = False
+        self._step_tokens = 0
         if decode:
             budget = self._choose_budget(decode)
             if self.adaptive is not None and plan.prefill and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # time the decode work alone
-            start, before = time.perf_counter(), len(outputs)
+            start = time.perf_counter()
             if budget.speculates:
                 host = decode
                 for runner in self._graphed_steps(budget):
@@ -366,9 +370,9 @@ class LLMEngine:
             if self.adaptive is not None and not self._step_caught_up:  # only steady steps
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                emitted = sum(len(o.new_token_ids) for o in outputs[before:])
                 self.adaptive.observe(len(decode), budget.speculates, time.perf_counter() - start,
-                                      emitted, sampled=not all(s.sampling.greedy for s in decode))
+                                      self._step_tokens,
+                                      sampled=not all(s.sampling.greedy for s in decode))
         return outputs
 
     def _choose_budget(self, seqs: list[Sequence]) -> TreeBudget:
@@ -433,6 +437,7 @@ class LLMEngine:
                 seq.push_hidden(0, seq.num_committed, hidden[i : i + 1])
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
+            self._step_tokens += 1
             self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0)
 
     def _speculative_step(
@@ -494,6 +499,7 @@ class LLMEngine:
                 self.sampled_acceptance.record(tree, result.accepted)
             drafted = tree.num_nodes - 1
             seq.stats.record_step(drafted, result.num_accepted)
+            self._step_tokens += result.num_accepted + 1
             new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
             self._append_tokens(seq, new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
         self.last_timings = StepTimings(t1 - t0, t2 - t1, rollback, events)
@@ -534,6 +540,7 @@ class LLMEngine:
                 self.sampled_acceptance.record_path(res.has_children, res.child_ranks)
             accepted = len(res.accepted_tokens)
             seq.stats.record_step(drafted, accepted)
+            self._step_tokens += accepted + 1
             self._append_tokens(
                 seq, [*res.accepted_tokens, res.bonus_token], outputs, drafted=drafted, accepted=accepted
             )

@@ -96,7 +96,8 @@ class AdaptiveController:
     def observe(
         self, batch_size: int, speculated: bool, seconds: float, tokens: int, sampled: bool = False
     ) -> None:
-        """Record one decode step's real cost per emitted token (host overhead included)."""
+        """Record one decode step's real cost (host overhead included) and the tokens it produced
+        before max_tokens / stop truncation (a request ending mid-path says nothing of the choice)."""
         if tokens <= 0:
             return
         key = (batch_size.bit_length(), sampled, speculated)

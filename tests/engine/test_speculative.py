@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams, SpecConfig
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from train.heldout import heldout_prompts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3], [4] * 20, [5, 1]]
@@ -201,3 +202,28 @@ def test_adaptive_keeps_step_costs_until_the_planned_shape_changes(small_vocab_d
     assert controller._margin(4, False) == 8  # speculation measured 8x cheaper per token
     controller._forget_other_shapes(4, False, narrow)  # new shape: its cost is unknown
     assert (3, False, True) not in controller._steps and (3, False, False) in controller._steps
+
+
+def test_adaptive_sees_the_tokens_a_step_produced_before_truncation(demo_model_dir: Path) -> None:
+    """A request ending mid-path (max_tokens) emits fewer tokens than the step accepted; the
+    controller must be told what the step produced, or every batch's last steps make
+    speculation look costlier than it is and flip the choice to AR."""
+    # The static path (eager on CPU): the prefill catches the MTP modules up, so the first
+    # decode step is already a steady one the controller observes.
+    eng = LLMEngine.from_pretrained(demo_model_dir, spec=SpecConfig(method="adaptive"),
+                                    engine_config=EngineConfig(cuda_graphs=True))
+    assert eng.adaptive is not None
+    seen: list[tuple[bool, int]] = []
+    eng.adaptive.choose = lambda engine, batch, sampled=False: eng.budget  # type: ignore[method-assign]
+    eng.adaptive.observe = (  # type: ignore[method-assign]
+        lambda batch, speculated, seconds, tokens, sampled=False: seen.append((speculated, tokens))
+    )
+    prompts = heldout_prompts(str(demo_model_dir), eng.tokenizer, 8, 48)  # type: ignore[arg-type]
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    eng.step()  # prefill: each request's first token
+    outs = eng.step()  # one speculative decode step, truncated to one token per request
+    assert [len(o.new_token_ids) for o in outs] == [1] * 8 and all(o.finished for o in outs)
+    produced = sum(o.step_accepted + 1 for o in outs)
+    assert seen == [(True, produced)]
+    assert produced > 8, "drafts were accepted past max_tokens"
