@@ -142,7 +142,8 @@ class AdaptiveController:
         stand in through monotonicity: a verify step's cost grows with the batch while an AR
         step's hardly does, so speculation that wins at a larger batch wins here, and AR that
         wins at a smaller batch wins here (a batch shrinking as its sequences finish at
-        different steps then keeps speculating without re-measuring every bucket)."""
+        different steps then keeps speculating without re-measuring every bucket); failing
+        that, a neighbouring bucket."""
         target = batch_size.bit_length()
         own = self._costs(target, sampled)
         if own is not None:
@@ -153,6 +154,12 @@ class AdaptiveController:
             return False
         if any(says_ar for b, says_ar in measured.items() if b < target):
             return True
+        # Otherwise a neighbouring bucket (not a farther one: costs at batch 1 say little about
+        # batch 64). Without it, a batch that starts small every time (prompts admitted over
+        # several prefill chunks) would re-explore, paying a prompt-long MTP catch-up each time.
+        for bucket in (target + 1, target - 1):
+            if bucket in measured:
+                return measured[bucket]
         return None
 
     def _stats(self, engine: LLMEngine) -> AcceptanceStats:

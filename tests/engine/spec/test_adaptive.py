@@ -85,11 +85,11 @@ def test_measured_ar_overrules_a_plan_that_says_speculate(monkeypatch: pytest.Mo
     assert any(b.speculates for b in budgets[100:]), "speculation is still explored once measured"
 
 
-def test_a_buckets_own_costs_win_and_other_buckets_stand_in_by_monotonicity(
+def test_a_buckets_own_costs_win_then_monotonicity_then_neighbours(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Speculation measured to win at batch 16 wins at smaller batches; AR measured to win at
-    batch 64 wins at larger ones; nothing follows the other way round."""
+    batch 64 wins at larger ones; failing those, a neighbouring bucket stands in."""
     _, controller = _controller(monkeypatch, PLAN_SAYS_SPEC)
     for _ in range(2):  # batch 16 (bucket 5): speculation cheaper, but only 2 steps of each
         controller.observe(16, True, seconds=0.01, tokens=64)
@@ -99,13 +99,14 @@ def test_a_buckets_own_costs_win_and_other_buckets_stand_in_by_monotonicity(
     controller.observe(16, False, seconds=0.01, tokens=16)
     assert controller._measured_says_ar(16, False) is False  # 3 of each: its own costs decide
     assert controller._measured_says_ar(4, False) is False  # smaller batch: speculation too
-    assert controller._measured_says_ar(64, False) is None  # larger batch: unknown
+    assert controller._measured_says_ar(64, False) is None  # larger, not a neighbour: unknown
+    assert controller._measured_says_ar(32, False) is False  # the neighbouring bucket
     for _ in range(3):  # batch 64 (bucket 7): AR cheaper per token
         controller.observe(64, True, seconds=0.04, tokens=64)
         controller.observe(64, False, seconds=0.01, tokens=64)
     assert controller._measured_says_ar(64, False) is True
     assert controller._measured_says_ar(256, False) is True  # larger batch: AR too
-    assert controller._measured_says_ar(32, False) is None  # between the two: nothing follows
+    assert controller._measured_says_ar(32, False) is True  # between: the upper neighbour
     assert controller._measured_says_ar(4, True) is None  # sampled steps are apart
     for _ in range(3):  # batch 2 (bucket 2) measured AR cheaper, contradicting batch 16
         controller.observe(2, True, seconds=0.04, tokens=4)
