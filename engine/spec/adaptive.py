@@ -52,31 +52,39 @@ MIN_MEASURED = 3  # steps of each kind before a bucket's step costs count as mea
 
 @dataclass
 class _StepCost:
-    """EWMAs of one kind of decode step: seconds and emitted tokens per step.
+    """EWMAs of one kind of decode step in one batch bucket: seconds, sequences and emitted
+    tokens per step.
 
-    Cost per token is their ratio (a ratio of sums): averaging per-step ratios would over-weight
-    the steps that happen to accept little. A step counts at most twice the fastest one seen: a
-    stall (a graph's first replay uploads it, a garbage collection, a page fault) is not what
-    the choice costs, and one such step used to swing the decision for hundreds of steps.
+    A step counts at most twice the fastest one seen: a stall (a graph's first replay uploads
+    it, a garbage collection, a page fault) is not what the choice costs, and one such step
+    used to swing the decision for hundreds of steps.
     """
 
     seconds: float
+    rows: float
     tokens: float
     count: int
     fastest: float = float("inf")
 
-    def add(self, seconds: float, tokens: int) -> None:
+    def add(self, seconds: float, rows: int, tokens: int) -> None:
         self.fastest = min(self.fastest, seconds)
         seconds = min(seconds, 2 * self.fastest)
         self.seconds = min(self.seconds, 2 * self.fastest)
         rate = max(0.2, 1 / (self.count + 1))
         self.seconds += (seconds - self.seconds) * rate
+        self.rows += (rows - self.rows) * rate
         self.tokens += (tokens - self.tokens) * rate
         self.count += 1
 
-    @property
-    def per_token(self) -> float:
-        return self.seconds / self.tokens
+
+@dataclass
+class _Measured:
+    """One bucket's measured choices, as seconds per emitted token."""
+
+    spec: _StepCost
+    ar: _StepCost
+    spec_per_token: float
+    ar_per_token: float
 
 
 class AdaptiveController:
@@ -92,6 +100,10 @@ class AdaptiveController:
         self._steps: dict[tuple[int, bool, bool], _StepCost] = {}
         self._shapes: dict[tuple[int, bool], TreeBudget] = {}  # (bucket, sampled) -> planned tree
         self._since_explore = 0
+        # Tokens per sequence per speculative step, pooled over every bucket (per sampled/greedy):
+        # a bucket's few speculative steps give its step time well (it hardly varies) but its
+        # yield poorly (a sampled step emits 1 to 7 tokens), which used to decide on noise.
+        self._yield: dict[bool, tuple[float, int]] = {}  # sampled -> (EWMA, steps)
 
     def observe(
         self, batch_size: int, speculated: bool, seconds: float, tokens: int, sampled: bool = False
@@ -103,38 +115,41 @@ class AdaptiveController:
         key = (batch_size.bit_length(), sampled, speculated)
         cost = self._steps.get(key)
         if cost is None:
-            self._steps[key] = _StepCost(seconds, float(tokens), 1, seconds)
+            self._steps[key] = _StepCost(seconds, float(batch_size), float(tokens), 1, seconds)
         else:
-            cost.add(seconds, tokens)
+            cost.add(seconds, batch_size, tokens)
+        if speculated:  # a long memory: ~50 steps
+            mean, n = self._yield.get(sampled, (0.0, 0))
+            mean += (tokens / batch_size - mean) * max(0.02, 1 / (n + 1))
+            self._yield[sampled] = (mean, n + 1)
 
-    def _costs(self, bucket: int, sampled: bool) -> tuple[_StepCost, _StepCost] | None:
-        """A batch bucket's measured (speculative, AR) step costs; None until each kind has
+    def _costs(self, bucket: int, sampled: bool) -> _Measured | None:
+        """A batch bucket's measured speculative and AR steps; None until each kind has
         MIN_MEASURED steps (fewer do not set how often to explore either: one exploring run
-        must not postpone the next)."""
+        must not postpone the next). Speculative cost per token uses the pooled yield."""
         spec = self._steps.get((bucket, sampled, True))
         ar = self._steps.get((bucket, sampled, False))
         if spec is None or ar is None or min(spec.count, ar.count) < MIN_MEASURED:
             return None
-        return spec, ar
+        pooled = self._yield[sampled][0]
+        return _Measured(spec, ar, spec.seconds / (spec.rows * pooled), ar.seconds / ar.tokens)
 
     def _explore_interval(self, batch_size: int, sampled: bool) -> int:
         """Steps between explorations of speculation while AR is measured faster: the costlier
         a speculative step is against an AR step, the rarer, so exploring stays ~1/explore_every
         of the time (sampled trees on the host path can cost tens of AR steps)."""
         costs = self._costs(batch_size.bit_length(), sampled)
-        if costs is None or costs[1].seconds <= 0:
+        if costs is None or costs.ar.seconds <= 0:
             return self.explore_every
-        spec, ar = costs
-        return int(self.explore_every * max(1.0, spec.seconds / ar.seconds) * 4)
+        return int(self.explore_every * max(1.0, costs.spec.seconds / costs.ar.seconds) * 4)
 
     def _margin(self, batch_size: int, sampled: bool) -> int:
         """How many times cheaper per token speculation measured than AR (at least 1): the
         wider the margin, the rarer the AR check (each costs an MTP catch-up afterwards)."""
         costs = self._costs(batch_size.bit_length(), sampled)
-        if costs is None or costs[0].per_token <= 0:
+        if costs is None or costs.spec_per_token <= 0:
             return 1
-        spec, ar = costs
-        return max(1, int(ar.per_token / spec.per_token))
+        return max(1, int(costs.ar_per_token / costs.spec_per_token))
 
     def _measured_says_ar(self, batch_size: int, sampled: bool) -> bool | None:
         """Whether measured steps favour AR at this batch size; None while nothing comparable
@@ -147,8 +162,8 @@ class AdaptiveController:
         target = batch_size.bit_length()
         own = self._costs(target, sampled)
         if own is not None:
-            return own[0].per_token > own[1].per_token
-        measured = {b: c[0].per_token > c[1].per_token for b in {k[0] for k in self._steps}
+            return own.spec_per_token > own.ar_per_token
+        measured = {b: c.spec_per_token > c.ar_per_token for b in {k[0] for k in self._steps}
                     if (c := self._costs(b, sampled)) is not None}  # fmt: skip
         if any(not says_ar for b, says_ar in measured.items() if b > target):
             return False
