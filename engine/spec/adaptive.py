@@ -100,10 +100,11 @@ class AdaptiveController:
         self._steps: dict[tuple[int, bool, bool], _StepCost] = {}
         self._shapes: dict[tuple[int, bool], TreeBudget] = {}  # (bucket, sampled) -> planned tree
         self._since_explore = 0
-        # Tokens per sequence per speculative step, pooled over every bucket (per sampled/greedy):
-        # a bucket's few speculative steps give its step time well (it hardly varies) but its
-        # yield poorly (a sampled step emits 1 to 7 tokens), which used to decide on noise.
-        self._yield: dict[bool, tuple[float, int]] = {}  # sampled -> (EWMA, steps)
+        # Tokens per sequence per speculative step of one tree shape, pooled over the buckets
+        # that draft it: a bucket's few speculative steps give its step time well (it hardly
+        # varies) but its yield poorly (a sampled step emits 1 to 7 tokens), which used to
+        # decide on noise. (sampled, tree) -> (EWMA, steps)
+        self._yield: dict[tuple[bool, TreeBudget | None], tuple[float, int]] = {}
 
     def observe(
         self, batch_size: int, speculated: bool, seconds: float, tokens: int, sampled: bool = False
@@ -119,9 +120,10 @@ class AdaptiveController:
         else:
             cost.add(seconds, batch_size, tokens)
         if speculated:  # a long memory: ~50 steps
-            mean, n = self._yield.get(sampled, (0.0, 0))
+            shape = (sampled, self._shapes.get((batch_size.bit_length(), sampled)))
+            mean, n = self._yield.get(shape, (0.0, 0))
             mean += (tokens / batch_size - mean) * max(0.02, 1 / (n + 1))
-            self._yield[sampled] = (mean, n + 1)
+            self._yield[shape] = (mean, n + 1)
 
     def _costs(self, bucket: int, sampled: bool) -> _Measured | None:
         """A batch bucket's measured speculative and AR steps; None until each kind has
@@ -131,7 +133,8 @@ class AdaptiveController:
         ar = self._steps.get((bucket, sampled, False))
         if spec is None or ar is None or min(spec.count, ar.count) < MIN_MEASURED:
             return None
-        pooled = self._yield[sampled][0]
+        own = (spec.tokens / spec.rows, 0)  # the bucket's own yield if its shape has no pool yet
+        pooled = self._yield.get((sampled, self._shapes.get((bucket, sampled))), own)[0]
         return _Measured(spec, ar, spec.seconds / (spec.rows * pooled), ar.seconds / ar.tokens)
 
     def _explore_interval(self, batch_size: int, sampled: bool) -> int:

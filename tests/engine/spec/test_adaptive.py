@@ -142,3 +142,20 @@ def test_graphed_path_measures_both_choices_first_whatever_the_plan(
     eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=False)
     budgets = _drive(eng, controller, spec=(0.02, 16), ar=(0.01, 4))
     assert not any(b.speculates for b in budgets[:8]), "host path: the plan decides until measured"
+
+
+def test_speculative_yield_is_pooled_over_the_buckets_drafting_the_same_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three unlucky sampled steps at batch 4 (one token per sequence) must not decide: the
+    yield of that tree measured over many steps elsewhere stands in; step times stay per bucket."""
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_SPEC, graphed=True)
+    for _ in range(60):  # batch 1: the captured tree yields 5 tokens per step
+        controller.choose(eng, 1)  # type: ignore[arg-type]
+        controller.observe(1, True, seconds=0.010, tokens=5)
+        controller.observe(1, False, seconds=0.008, tokens=1)
+    for _ in range(3):  # batch 4: unlucky steps, 1 token per sequence
+        controller.choose(eng, 4)  # type: ignore[arg-type]
+        controller.observe(4, True, seconds=0.012, tokens=4)
+        controller.observe(4, False, seconds=0.009, tokens=4)
+    assert controller._measured_says_ar(4, False) is False  # 0.012 / (4 x ~4.8) < 0.009 / 4
