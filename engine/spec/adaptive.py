@@ -13,8 +13,12 @@ draft forwards. This controller feeds it
 and asks for the tree (or no speculation) with the most tokens/s at the current batch size.
 The latency model cannot see host overhead (Python tree building, launches) nor CUDA graphs
 (its forwards run eagerly), so the controller also measures what each decode step really cost
-per emitted token, with and without speculation, per batch-size bucket; once both are measured
-they overrule the plan's yes/no in either direction. Whichever choice loses is still explored
+per token, with and without speculation, per batch-size bucket (step time per bucket; the
+speculative yield per sequence pooled over the buckets drafting the same tree; tokens counted
+before max_tokens truncation); once both are measured they overrule the plan's yes/no in either
+direction, and on the graphed path they are measured first. A bucket not measured yet follows
+measured ones by monotonicity (speculation winning at a larger batch wins at a smaller one, AR
+winning at a smaller batch at a larger one), else a neighbouring bucket. Whichever choice loses is still explored
 now and then: a short run of speculative steps while AR wins (rarer the costlier they measured),
 which also keeps the acceptance statistics current, or a single AR step while speculation wins
 (rarer the wider its margin). That is what keeps adaptive speculation at least as fast as
