@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.outputs import RequestOutput
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3, 1, 4, 0], [4] * 20, [5, 1, 2, 2, 3, 1]]
@@ -32,6 +33,18 @@ def _engine(folder: Path, spec: SpecConfig, cfg: EngineConfig = STATIC) -> tuple
         run = eng.graphed_tree.run
         eng.graphed_tree.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
     return eng, calls
+
+
+def _serve(eng: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+    """Add every request at once and step the engine until all finished; final outputs by id."""
+    for rid, (prompt, params) in requests.items():
+        eng.add_request(rid, prompt, params)
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    return final
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method}-{s.topk}-{s.depth}-{s.num_draft_tokens}")
@@ -96,14 +109,7 @@ def test_mixed_batch_greedy_graphed_sampled_on_host(small_vocab_dir: Path) -> No
     base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS[:2], GREEDY)
     eng, calls = _engine(small_vocab_dir, spec)
     sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
-    eng.add_request("g0", PROMPTS[0], GREEDY)
-    eng.add_request("s0", PROMPTS[2], sampled)
-    eng.add_request("g1", PROMPTS[1], GREEDY)
-    final = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
+    final = _serve(eng, {"g0": (PROMPTS[0], GREEDY), "s0": (PROMPTS[2], sampled), "g1": (PROMPTS[1], GREEDY)})
     assert final["g0"].token_ids == base[0].token_ids
     assert final["g1"].token_ids == base[1].token_ids
     assert len(final["s0"].token_ids) == 40
@@ -200,15 +206,8 @@ def test_greedy_and_unseeded_sampled_sequences_both_graphed_in_one_step(small_vo
         run = runner.run
         runner.run = lambda seqs, run=run, name=name: steps.append((name, len(seqs))) or run(seqs)
     sampled = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, ignore_eos=True)
-    eng.add_request("g0", PROMPTS[0], GREEDY)
-    eng.add_request("s0", PROMPTS[2], sampled)
-    eng.add_request("g1", PROMPTS[1], GREEDY)
-    eng.add_request("s1", PROMPTS[3], sampled)
-    final = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
+    final = _serve(eng, {"g0": (PROMPTS[0], GREEDY), "s0": (PROMPTS[2], sampled),
+                         "g1": (PROMPTS[1], GREEDY), "s1": (PROMPTS[3], sampled)})
     assert final["g0"].token_ids == base[0].token_ids
     assert final["g1"].token_ids == base[1].token_ids
     assert len(final["s0"].token_ids) == len(final["s1"].token_ids) == 40
