@@ -9,6 +9,7 @@ compaction with the rejected slots zeroed). The engine is single-threaded; the s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -138,12 +139,13 @@ class LLMEngine:
                     model, self.pool, self.budget, max_blocks, engine_config.max_batch_size,
                     use_graphs=device.type == "cuda", reuse_last_module=spec.reuse_last_module,
                 )  # fmt: skip
-                shape = sampled_tree_shape(self.budget, None)
-                if spec.reuse_last_module or shape.max_depth <= cfg.num_mtp_modules:
-                    self.graphed_sampled = GraphedSampledTree(
-                        model, self.pool, self.budget, shape, max_blocks,
-                        engine_config.max_batch_size, use_graphs=device.type == "cuda",
-                    )  # fmt: skip
+                # Without reuse of the last module, no draft is deeper than the modules.
+                depth = self.budget.depth if spec.reuse_last_module else min(self.budget.depth, cfg.num_mtp_modules)
+                shape = sampled_tree_shape(dataclasses.replace(self.budget, depth=depth), None)
+                self.graphed_sampled = GraphedSampledTree(
+                    model, self.pool, self.budget, shape, max_blocks, engine_config.max_batch_size,
+                    use_graphs=device.type == "cuda", reuse_last_module=spec.reuse_last_module,
+                )  # fmt: skip
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":

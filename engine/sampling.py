@@ -180,7 +180,9 @@ def sample_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> 
     """
     if probs.dim() != 2 or probs.shape[0] != len(generators):
         raise ValueError(f"probs must be [R, V] with one generator per row, got {tuple(probs.shape)}")
-    exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_()  # [R, V]
+    exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)  # [R, V]
+    if any(gen is None for gen in generators):
+        exp.exponential_()  # every row at once; seeded rows are overwritten below
     for row, gen in zip(exp, generators, strict=True):
         if gen is not None:
             row.exponential_(generator=gen)

@@ -25,7 +25,7 @@ from pathlib import Path
 from engine.simulator.acceptance import AcceptanceStats
 from engine.simulator.expected import estimate, node_probabilities
 from engine.simulator.latency import LatencyModel
-from engine.simulator.optimizer import SpeculationPlanner
+from engine.simulator.optimizer import SpeculationPlanner, best_budget
 from engine.simulator.report import format_estimates, format_plans, write_figure
 from engine.simulator.tree_shape import TreeShape
 from engine.simulator.validation import load_measured_runs, prediction_errors
@@ -66,9 +66,10 @@ def _parser() -> argparse.ArgumentParser:
 def _recommend_default(
     stats: AcceptanceStats, latency: LatencyModel, args: argparse.Namespace, batch_size: int
 ) -> None:
-    from engine.spec.defaults import budget_from_plan, default_plan  # noqa: PLC0415 (torch)
+    from engine.spec.defaults import budget_from_plan  # noqa: PLC0415 (torch)
 
-    plan = default_plan(stats, latency, batch_size, args.budget, args.max_depth, args.max_width)
+    budgets = range(args.budget + 1)
+    plan = best_budget(stats, latency, batch_size, budgets, args.max_depth, args.max_width)
     budget = budget_from_plan(plan)
     print(
         f"Default tree at batch {batch_size}: topk={budget.topk} depth={budget.depth} "

@@ -18,8 +18,8 @@ speculative yield per sequence pooled over the buckets drafting the same tree; t
 before max_tokens truncation); once both are measured they overrule the plan's yes/no in either
 direction, and on the graphed path they are measured first. A bucket not measured yet follows
 measured ones by monotonicity (speculation winning at a larger batch wins at a smaller one, AR
-winning at a smaller batch at a larger one), else a neighbouring bucket. Whichever choice loses is still explored
-now and then: a short run of speculative steps while AR wins (rarer the costlier they measured),
+winning at a smaller batch at a larger one), else a neighbouring bucket. Whichever choice
+loses is still explored now and then: a short run of speculative steps while AR wins (rarer the costlier they measured),
 which also keeps the acceptance statistics current, or a single AR step while speculation wins
 (rarer the wider its margin). That is what keeps adaptive speculation at least as fast as
 autoregressive decoding where drafting does not pay, and drafting where it does though the

@@ -115,18 +115,6 @@ DERIVATIONS = {
 }
 
 
-def default_plan(
-    stats: AcceptanceStats,
-    latency: LatencyModel,
-    batch_size: int = 1,
-    max_budget: int = 32,
-    max_depth: int | None = 8,
-    max_width: int | None = 4,
-) -> TreePlan:
-    """The optimiser's best tree (or no speculation) at ``batch_size`` within the limits."""
-    return best_budget(stats, latency, batch_size, range(max_budget + 1), max_depth, max_width)
-
-
 def budget_from_plan(plan: TreePlan, min_path_prob: float = 0.0) -> TreeBudget:
     """A drafter budget that holds the plan's tree: its widest node's children (``topk``), its
     deepest node (``depth``) and its node count (``num_draft_tokens``)."""
@@ -154,7 +142,7 @@ def derive_default_budget(
     Raises:
         ValueError: speculation does not pay at ``batch_size`` (the best plan drafts nothing).
     """
-    plan = default_plan(stats, latency, batch_size, max_budget, max_depth, max_width)
+    plan = best_budget(stats, latency, batch_size, range(max_budget + 1), max_depth, max_width)
     if plan.budget == 0:
         raise ValueError(
             f"the optimiser predicts no speedup from speculation at batch {batch_size} on these "

@@ -75,7 +75,6 @@ class GraphedSampledTree(GraphedTreeStep):
                          [0] + [len(f) for f in fronts[1:]], buckets)  # fmt: skip
         self.shape = shape
         dev = self.device
-        self.fronts = fronts
         self.draws = [max(len(kids[i]) for i in f) for f in fronts]  # [m - 1] children drawn per row
         # Depth m's nodes as flat indices into its draws [F_m * draws_m]; the nodes in that order.
         self._drawn_index, order = [], []
@@ -83,8 +82,7 @@ class GraphedSampledTree(GraphedTreeStep):
             flat = [j * self.draws[m - 1] + shape.ranks[c] for j, p in enumerate(front) for c in kids[p]]
             self._drawn_index.append(torch.tensor(flat, device=dev))
             order += [c for p in front for c in kids[p]]
-        self._node_order = torch.tensor(order, device=dev)
-        self._to_shape_order = torch.argsort(self._node_order)  # depth-major -> node index - 1
+        self._to_shape_order = torch.argsort(torch.tensor(order, device=dev))  # depth-major -> node - 1
         # Next frontier (depth m nodes with children): position among depth m's nodes, and
         # the row of its parent among depth m's frontier rows.
         self._next_front, self._next_parent = [], []

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from engine.simulator import AcceptanceStats, LatencyModel, estimate, optimal_tree
+from engine.simulator import AcceptanceStats, LatencyModel, best_budget, estimate, optimal_tree
 from engine.simulator.cli import main
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.defaults import (
@@ -16,7 +16,6 @@ from engine.spec.defaults import (
     DERIVATIONS,
     GPU_TREE,
     budget_from_plan,
-    default_plan,
     derive_default_budget,
 )
 from engine.spec.drafter import TreeBudget
@@ -99,8 +98,9 @@ def test_poor_acceptance_and_steep_latency_give_a_small_tree() -> None:
 def test_no_default_tree_when_speculation_never_pays() -> None:
     stats = AcceptanceStats(tuple((0.2, 0.05) for _ in range(8)))
     steep = LatencyModel.analytic(0.01, verify_per_token=0.002, draft_fixed=0.002)
-    assert default_plan(stats, steep).budget == 0
-    assert budget_from_plan(default_plan(stats, steep)).num_draft_tokens == 0
+    plan = best_budget(stats, steep, 1, range(33), 8, 4)
+    assert plan.budget == 0
+    assert budget_from_plan(plan).num_draft_tokens == 0
     with pytest.raises(ValueError, match="no speedup"):
         derive_default_budget(stats, steep)
 
@@ -108,7 +108,7 @@ def test_no_default_tree_when_speculation_never_pays() -> None:
 def test_budget_holds_the_plans_tree() -> None:
     stats = AcceptanceStats(((0.6, 0.3, 0.05), (0.8, 0.1), (0.7,)))
     latency = LatencyModel.analytic(0.01, 0.0001, draft_fixed=0.0005)
-    plan = default_plan(stats, latency, max_budget=12, max_depth=5, max_width=3)
+    plan = best_budget(stats, latency, 1, range(13), 5, 3)
     budget = budget_from_plan(plan)
     shape = plan.shape
     assert budget.topk == max(len(shape.children(i)) for i in range(shape.num_nodes))
