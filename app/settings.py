@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     kv_memory_mb: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
-    prefill_chunk_tokens: int = Field(512, ge=1)
+    prefill_chunk_tokens: int | None = Field(None, ge=1)  # None: the engine default per device
     spec_method: Literal["none", "chain", "tree", "adaptive"] = "tree"
     spec_topk: int | None = Field(None, ge=1)
     spec_depth: int | None = Field(None, ge=1)

@@ -7,6 +7,7 @@ contract of docs/internals.md.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,11 @@ class SeqRows:
     prev_hidden: torch.Tensor | None = None  # [n, H] MTP rows: depth-(d-1) hidden of each row
 
 
+_ONE = torch.ones(1, 1, dtype=torch.bool)  # the mask of a one-row sequence (shared, read-only)
+
+
 def causal_mask(n: int) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool).tril()
+    return _ONE if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
 
 
 def build_batch(
@@ -37,28 +41,31 @@ def build_batch(
     total = sum(counts)
     width = max(counts) if counts else 0
     max_blocks = max((len(r.block_ids) for r in rows), default=0)
-    tables = torch.full((len(rows), max(max_blocks, 1)), -1, dtype=torch.int32)
+    # Host tensors built from whole lists (one call each, not one per sequence).
+    tables = torch.tensor(
+        [r.block_ids + [-1] * (max(max_blocks, 1) - len(r.block_ids)) for r in rows], dtype=torch.int32
+    ).view(len(rows), max(max_blocks, 1))  # [B, max_blocks]
     new_mask = torch.zeros(total, max(width, 1), dtype=torch.bool)
+    offsets = [0, *itertools.accumulate(counts)]
+    # A one-row sequence (a decode step) sees itself: its 1 x 1 mask is set for all in one go.
+    new_mask[[offsets[i] for i, n in enumerate(counts) if n == 1], 0] = True
+    for r, n, offset in zip(rows, counts, offsets, strict=False):
+        if n > 1:
+            new_mask[offset : offset + n, :n] = r.mask
     slots: list[int] = []
     query_ctx: list[int] = []
     any_limit = False
-    offset = 0
-    for b, r in enumerate(rows):
-        n = counts[b]
-        tables[b, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-        new_mask[offset : offset + n, :n] = r.mask
-        for j in range(n):
-            pos = r.ctx_len + j
-            block_index = pos // block_size
-            if block_index >= len(r.block_ids):
-                raise AssertionError("slot beyond the sequence's allocated blocks")
-            slots.append(r.block_ids[block_index] * block_size + pos % block_size)
+    for r, n in zip(rows, counts, strict=True):
+        if r.ctx_len + n > len(r.block_ids) * block_size:
+            raise AssertionError("slot beyond the sequence's allocated blocks")
+        ids = r.block_ids
+        slots.extend(ids[pos // block_size] * block_size + pos % block_size
+                     for pos in range(r.ctx_len, r.ctx_len + n))  # fmt: skip
         if r.query_ctx_lens is not None:
             any_limit = True
             query_ctx.extend(r.query_ctx_lens)
         else:
             query_ctx.extend([r.ctx_len] * n)
-        offset += n
     starts = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     batch = AttentionBatch(
         positions=torch.tensor([p for r in rows for p in r.positions], dtype=torch.long, device=device),

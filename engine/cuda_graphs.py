@@ -117,6 +117,7 @@ class StaticTargetForward:
         self.use_graphs = use_graphs and pool.kv_cache.is_cuda
         max_tokens = max(self.token_counts)
         self.scratch = pool.allocate(-(-max_tokens // pool.block_size), BlockOwner("graph-padding"))
+        self._scratch_index = torch.tensor(self.scratch, device=pool.kv_cache.device)
         dtype = next(model.parameters()).dtype
         self._static = {
             (b, t): _Static(b, t, max_blocks, self.scratch, pool.block_size,
@@ -159,21 +160,20 @@ class StaticTargetForward:
         self._zero_scratch()
 
     def _zero_scratch(self) -> None:
-        index = torch.tensor(self.scratch, device=self.pool.kv_cache.device)
-        self.pool.kv_cache.index_fill_(1, index, 0)
+        self.pool.kv_cache.index_fill_(1, self._scratch_index, 0)
 
-    def eligible(self, ids: torch.Tensor, batch: AttentionBatch) -> bool:
+    def eligible(self, ids: torch.Tensor, batch: AttentionBatch, tokens_per_seq: int | None) -> bool:
+        """Whether the batch fits a captured shape. ``tokens_per_seq``: the caller's count of new
+        tokens per sequence when every sequence has the same (None: they differ), so that no
+        device value is read here."""
         num_seqs = batch.ctx_lens.shape[0]
         if batch.query_ctx_lens is not None or batch.block_tables.shape[1] > self.max_blocks:
             return False
-        if num_seqs == 0 or ids.shape[0] % num_seqs:
+        if num_seqs == 0 or tokens_per_seq is None or ids.shape[0] != num_seqs * tokens_per_seq:
             return False
-        tokens = ids.shape[0] // num_seqs
-        if tokens not in self.token_counts or self._bucket(num_seqs) is None:
+        if tokens_per_seq not in self.token_counts or self._bucket(num_seqs) is None:
             return False
-        return batch.new_mask.shape[1] == tokens and bool(
-            (batch.query_start[1:] - batch.query_start[:-1] == tokens).all()
-        )
+        return batch.new_mask.shape[1] == tokens_per_seq
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

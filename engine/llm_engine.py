@@ -26,7 +26,7 @@ from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.loader import load_model, parse_dtype
 from engine.outputs import RequestOutput, ZeroEvent
-from engine.params import EngineConfig, SamplingParams, SpecConfig
+from engine.params import DEFAULT_PREFILL_CHUNK, EngineConfig, SamplingParams, SpecConfig
 from engine.sampling import (
     SamplingTensors,
     apply_penalties,
@@ -115,10 +115,11 @@ class LLMEngine:
             cfg.num_layers_total, num_blocks, engine_config.block_size, cfg.latent_dim, dtype, device
         )
         scratch = self.budget.num_draft_tokens + self.budget.topk + 5  # + graphed catch-up slack
-        self.scheduler = Scheduler(
-            self.pool, engine_config.max_batch_size, engine_config.prefill_chunk_tokens, scratch
-        )
-        self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if cfg.num_mtp_modules else None
+        chunk = engine_config.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK.get(device.type, 512)
+        self.scheduler = Scheduler(self.pool, engine_config.max_batch_size, chunk, scratch)
+        # MTP state is kept only when something drafts (autoregressive engines skip it).
+        drafts = cfg.num_mtp_modules > 0 and spec.method != "none"
+        self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if drafts else None
         self.acceptance = AcceptanceCounter()
         self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
         self.last_timings = StepTimings()
@@ -431,7 +432,7 @@ class LLMEngine:
             for seq in seqs
         ]
         ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        hidden = self._forward_target(ids, batch)
+        hidden = self._forward_target(ids, batch, 1)
         logits = self.model.logits(hidden)
         tokens = self._sample_rows(seqs, logits)
         for i, seq in enumerate(seqs):
@@ -463,7 +464,8 @@ class LLMEngine:
             for seq, tree in zip(seqs, trees, strict=True)
         ]
         ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        hidden = self._forward_target(ids, batch)  # [N, H]
+        sizes = {tree.num_nodes for tree in trees}
+        hidden = self._forward_target(ids, batch, sizes.pop() if len(sizes) == 1 else None)  # [N, H]
         logits = self.model.logits(hidden)  # [N, V]
         t2 = time.perf_counter()
         offset = 0
@@ -551,10 +553,14 @@ class LLMEngine:
         else:
             self.last_timings = StepTimings(0.0, elapsed, float(timing[0]))  # type: ignore[arg-type]
 
-    def _forward_target(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Decode-step target forward: static shapes / CUDA graphs when eligible, else eager."""
-        if self.static_forward is not None and self.static_forward.eligible(ids, batch):
-            return self.static_forward.run(ids, batch)
+    def _forward_target(
+        self, ids: torch.Tensor, batch: AttentionBatch, tokens_per_seq: int | None
+    ) -> torch.Tensor:
+        """Decode-step target forward: static shapes / CUDA graphs when eligible, else eager.
+        ``tokens_per_seq``: new tokens of every sequence when they are all equal, else None."""
+        static = self.static_forward
+        if static is not None and static.eligible(ids, batch, tokens_per_seq):
+            return static.run(ids, batch)
         return self.model.forward_target(ids, batch, self.pool.kv_cache)
 
     def _sampled_shape(self, budget: TreeBudget, seqs: list[Sequence]) -> TreeShape | None:

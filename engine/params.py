@@ -97,6 +97,12 @@ class SpecConfig:
             raise ValueError(f"min_path_prob must be in [0, 1) or None, got {self.min_path_prob!r}")
 
 
+# Default prompt tokens per prefill step, by device type. On a GPU a small chunk turns admitting a
+# large batch into a long ramp of steps (256 prompts of 64 tokens: 32 steps at 512), each also
+# running the decode of the streams admitted so far.
+DEFAULT_PREFILL_CHUNK = {"cpu": 512, "cuda": 4096}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Resources of one engine: batch limit, KV memory, block size, prefill chunking."""
@@ -105,7 +111,9 @@ class EngineConfig:
     kv_memory_bytes: int | None = None  # None: a modest device default (CPU: 256 MiB)
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    prefill_chunk_tokens: int = 512
+    # Prompt tokens prefilled per step. None: 512 on CPU (running streams keep flowing), 4096 on
+    # CUDA (a batch of prompts is admitted in a few steps; see DEFAULT_PREFILL_CHUNK).
+    prefill_chunk_tokens: int | None = None
     # Static-shape target forward: None = CUDA graphs on CUDA, off on CPU; True forces the
     # padded static path everywhere (graphs only on CUDA); False turns it off.
     cuda_graphs: bool | None = None
@@ -117,5 +125,5 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
             raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
-        if self.prefill_chunk_tokens < 1:
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
