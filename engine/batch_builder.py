@@ -58,8 +58,8 @@ def build_batch(
     for r, n in zip(rows, counts, strict=True):
         if r.ctx_len + n > len(r.block_ids) * block_size:
             raise AssertionError("slot beyond the sequence's allocated blocks")
-        ids = r.block_ids
-        slots.extend(ids[pos // block_size] * block_size + pos % block_size
+        blocks = r.block_ids
+        slots.extend(blocks[pos // block_size] * block_size + pos % block_size
                      for pos in range(r.ctx_len, r.ctx_len + n))  # fmt: skip
         if r.query_ctx_lens is not None:
             any_limit = True

@@ -85,6 +85,8 @@ class LLMEngine:
         device: torch.device,
     ) -> None:
         cfg = model.config
+        if device.type == "cpu":
+            model.use_column_major_projections()  # faster few-row verify/draft GEMMs
         self.model = model
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
@@ -126,6 +128,9 @@ class LLMEngine:
         self.static_forward: StaticTargetForward | None = None
         self.graphed_tree: GraphedGreedyTree | None = None
         self.graphed_sampled: GraphedSampledTree | None = None
+        # Every device-resident tree step, (greedy, sampled) per captured budget, the engine's
+        # budget first (``graphed_tree`` / ``graphed_sampled``).
+        self._graphed_runners: list[GraphedTreeStep] = []
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
@@ -136,17 +141,12 @@ class LLMEngine:
                 engine_config.max_batch_size, use_graphs=device.type == "cuda",
             )  # fmt: skip
             if self.drafter is not None and self.budget.speculates:
-                self.graphed_tree = GraphedGreedyTree(
-                    model, self.pool, self.budget, max_blocks, engine_config.max_batch_size,
-                    use_graphs=device.type == "cuda", reuse_last_module=spec.reuse_last_module,
-                )  # fmt: skip
-                # Without reuse of the last module, no draft is deeper than the modules.
-                depth = self.budget.depth if spec.reuse_last_module else min(self.budget.depth, cfg.num_mtp_modules)
-                shape = sampled_tree_shape(dataclasses.replace(self.budget, depth=depth), None)
-                self.graphed_sampled = GraphedSampledTree(
-                    model, self.pool, self.budget, shape, max_blocks, engine_config.max_batch_size,
-                    use_graphs=device.type == "cuda", reuse_last_module=spec.reuse_last_module,
-                )  # fmt: skip
+                budgets = [self.budget]
+                if spec.method == "adaptive":  # a chain arm too, for large batches
+                    budgets.append(resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size))
+                for budget in budgets:
+                    self._graphed_runners += self._build_graphed(budget, max_blocks)
+                self.graphed_tree, self.graphed_sampled = self._graphed_runners[:2]  # type: ignore[assignment]
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
@@ -159,6 +159,25 @@ class LLMEngine:
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: list[ZeroEvent] = []
         self._arrivals = itertools.count()
+
+    def _build_graphed(self, budget: TreeBudget, max_blocks: int) -> list[GraphedTreeStep]:
+        """The greedy and the sampled device-resident steps of ``budget``."""
+        cfg, reuse = self.model_config, self.spec.reuse_last_module
+        use_graphs = self.device.type == "cuda"
+        max_batch = self.config.max_batch_size
+        greedy = GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch,
+                                   use_graphs=use_graphs, reuse_last_module=reuse)  # fmt: skip
+        # Without reuse of the last module, no draft is deeper than the modules.
+        depth = budget.depth if reuse else min(budget.depth, cfg.num_mtp_modules)
+        shape = sampled_tree_shape(dataclasses.replace(budget, depth=depth), None)
+        sampled = GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch,
+                                     use_graphs=use_graphs, reuse_last_module=reuse)  # fmt: skip
+        return [greedy, sampled]
+
+    def graphed_budgets(self, sampled: bool) -> list[TreeBudget]:
+        """Budgets with a device-resident step for greedy (or sampled) batches."""
+        kind = GraphedSampledTree if sampled else GraphedGreedyTree
+        return [r.budget for r in self._graphed_runners if isinstance(r, kind)]
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -317,9 +336,8 @@ class LLMEngine:
     def static_scratch_blocks(self) -> list[int]:
         """Blocks the static (CUDA-graph) paths hold for their padding rows, all zero at rest."""
         blocks = list(self.static_forward.scratch) if self.static_forward is not None else []
-        for runner in (self.graphed_tree, self.graphed_sampled):
-            if runner is not None:
-                blocks += runner.scratch
+        for runner in self._graphed_runners:
+            blocks += runner.scratch
         return blocks
 
     def drain_zero_events(self) -> list[ZeroEvent]:
@@ -373,7 +391,7 @@ class LLMEngine:
             if self.adaptive is not None and not self._step_caught_up:  # only steady steps
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                self.adaptive.observe(len(decode), budget.speculates, time.perf_counter() - start,
+                self.adaptive.observe(len(decode), budget, time.perf_counter() - start,
                                       self._step_tokens,
                                       sampled=not all(s.sampling.greedy for s in decode))
         return outputs
@@ -510,8 +528,7 @@ class LLMEngine:
 
     def _graphed_steps(self, budget: TreeBudget) -> list[GraphedTreeStep]:
         """The device-resident tree steps that serve ``budget`` (greedy, sampled)."""
-        steps = [self.graphed_tree, self.graphed_sampled]
-        return [g for g in steps if g is not None and g.budget == budget]
+        return [g for g in self._graphed_runners if g.budget == budget]
 
     def _split_graphed(
         self, fast: GraphedTreeStep, seqs: list[Sequence]
@@ -537,7 +554,7 @@ class LLMEngine:
         results, timing = runner.run(seqs)
         elapsed = time.perf_counter() - t0
         drafted = runner.N
-        sampled = runner is self.graphed_sampled
+        sampled = isinstance(runner, GraphedSampledTree)
         for seq, res in zip(seqs, results, strict=True):
             self.acceptance.record_path(res.has_children, res.child_ranks)
             if sampled:

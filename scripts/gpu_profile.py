@@ -3,7 +3,9 @@
 Times, for one model in bf16 at a few batch sizes: the replay of the draft+verify+accept graph,
 the rollback graph, a whole engine step on the graphed path (host work included), and the same
 for the CUDA-graph autoregressive step; then profiles one eager draft+verify+accept pass with
-torch.profiler and writes the top kernels. Output: OUT/gpu_profile.json and OUT/kernels.txt.
+torch.profiler and writes the top kernels. Output: OUT/gpu_profile.json and OUT/kernels.txt;
+with ``--host-profile-batch B`` also a cProfile of steady engine steps at batch B
+(OUT/host_ar_bB.txt, OUT/host_tree_bB.txt).
 
     PYTHONPATH=. python scripts/gpu_profile.py OUT [--model models/demo]
 """
@@ -50,11 +52,39 @@ def _steady_step_ms(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -
     return ms
 
 
+def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 8) -> str:
+    """cProfile of ``steps`` steady decode steps (host work: where a large batch's step goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"h{time.time_ns()}-{i}", p, sp)
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for rid in list(eng._requests):
+        eng.abort_request(rid)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--model", default="models/demo")
     parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--host-profile-batch", type=int, default=0, help="cProfile steps at this batch")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +111,11 @@ def main() -> None:
         }
         report[f"b{b}"] = row
         print(b, row, flush=True)
+    if args.host_profile_batch:
+        b = args.host_profile_batch
+        batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+        for name, eng in (("ar", ar), ("tree", tree)):
+            (out / f"host_{name}_b{b}.txt").write_text(_host_profile(eng, batch_prompts))
     # Eager profile of one draft+verify+accept pass at batch 1.
     buf = g._buffers[1]
     from torch.profiler import ProfilerActivity, profile

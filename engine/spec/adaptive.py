@@ -1,32 +1,29 @@
-"""Load-adaptive speculation: each step's draft budget from the simulator's planner.
+"""Load-adaptive speculation: each step's draft budget for the current batch.
 
-The trade-off has one model (``engine.simulator``): expected accepted length from acceptance
-statistics per depth and sibling rank, and step time from a latency model of the verify and
-draft forwards. This controller feeds it
+Two paths, one per way a step runs.
 
-* a latency model measured on this device when the engine starts (``calibrate_latency``:
-  real target and MTP forwards over scratch KV blocks, at several batch sizes and tokens per
-  sequence), and
-* the acceptance statistics the engine measures online (``AcceptanceCounter``), starting from a
-  conservative prior until enough verify steps were seen,
-
-and asks for the tree (or no speculation) with the most tokens/s at the current batch size.
-The latency model cannot see host overhead (Python tree building, launches) nor CUDA graphs
-(its forwards run eagerly), so the controller also measures what each decode step really cost
-per token, with and without speculation, per batch-size bucket (step time per bucket; the
-speculative yield per sequence pooled over the buckets drafting the same tree; tokens counted
-before max_tokens truncation); once both are measured they overrule the plan's yes/no in either
-direction, and on the graphed path they are measured first. A bucket not measured yet follows
-measured ones by monotonicity (speculation winning at a larger batch wins at a smaller one, AR
-winning at a smaller batch at a larger one), else a neighbouring bucket. Whichever choice
-loses is still explored now and then: a short run of speculative steps while AR wins (rarer the costlier they measured),
-which also keeps the acceptance statistics current, or a single AR step while speculation wins
-(rarer the wider its margin). That is what keeps adaptive speculation at least as fast as
-autoregressive decoding where drafting does not pay, and drafting where it does though the
-plan says not to. Where the plan has no tree the speculative steps draft the configured
-(maximum) tree. With the graphed steps (``engine.spec.graphed_tree`` for greedy batches,
-``engine.spec.graphed_sampled`` for sampled ones; GPU) the tree is the captured one, so the choice
-is between that tree and no speculation.
+* **Graphed path** (GPU, and CPU with ``cuda_graphs=True``): the engine captures device steps for
+  a few budgets — its tree and a chain — and the choice among them and no speculation is
+  measured (``engine.spec.arms.MeasuredArms``): per batch bucket, each arm's cost per emitted
+  token from its steady steps, the cheapest used, the others re-run now and then. A graph
+  replay's cost is exact and cheap to measure, while no model of eager forwards predicts it.
+* **Host-driven path** (CPU): the trade-off has one model (``engine.simulator``): expected
+  accepted length from acceptance statistics per depth and sibling rank, and step time from a
+  latency model of the verify and draft forwards measured on this device at start-up
+  (``calibrate_latency``). The controller feeds it the acceptance statistics the engine measures
+  online (``AcceptanceCounter``; a conservative prior until enough verify steps were seen) and
+  drafts the tree (or no speculation) with the most tokens/s at the current batch size. The
+  model cannot see host overhead (Python tree building), so the controller also measures what
+  each decode step really cost per token, with and without speculation, per batch-size bucket
+  (step time per bucket; the speculative yield per sequence pooled over the buckets drafting the
+  same tree; tokens counted before max_tokens truncation); once both are measured they overrule
+  the plan's yes/no in either direction. A bucket not measured yet follows measured ones by
+  monotonicity (speculation winning at a larger batch wins at a smaller one, AR winning at a
+  smaller batch at a larger one), else a neighbouring bucket. Whichever choice loses is still
+  explored now and then: a short run of speculative steps while AR wins (rarer the costlier
+  they measured), which also keeps the acceptance statistics current, or a single AR step
+  while speculation wins (rarer the wider its margin). Where the plan has no tree the
+  speculative steps draft the configured (maximum) tree.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ import torch
 from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.kv.block_pool import BlockOwner
 from engine.simulator import AcceptanceStats, LatencyModel, SpeculationPlanner
+from engine.spec.arms import MeasuredArms, StepCost
 from engine.spec.drafter import TreeBudget
 
 if TYPE_CHECKING:
@@ -52,41 +50,15 @@ REPLAN_MAX_RECORDS = 16384
 # up (extra work that is not measured), the others show the steady cost.
 EXPLORE_RUN = 3
 MIN_MEASURED = 3  # steps of each kind before a bucket's step costs count as measured
-
-
-@dataclass
-class _StepCost:
-    """EWMAs of one kind of decode step in one batch bucket: seconds, sequences and emitted
-    tokens per step.
-
-    A step counts at most twice the fastest one seen: a stall (a graph's first replay uploads
-    it, a garbage collection, a page fault) is not what the choice costs, and one such step
-    used to swing the decision for hundreds of steps.
-    """
-
-    seconds: float
-    rows: float
-    tokens: float
-    count: int
-    fastest: float = float("inf")
-
-    def add(self, seconds: float, rows: int, tokens: int) -> None:
-        self.fastest = min(self.fastest, seconds)
-        seconds = min(seconds, 2 * self.fastest)
-        self.seconds = min(self.seconds, 2 * self.fastest)
-        rate = max(0.2, 1 / (self.count + 1))
-        self.seconds += (seconds - self.seconds) * rate
-        self.rows += (rows - self.rows) * rate
-        self.tokens += (tokens - self.tokens) * rate
-        self.count += 1
+NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
 
 
 @dataclass
 class _Measured:
     """One bucket's measured choices, as seconds per emitted token."""
 
-    spec: _StepCost
-    ar: _StepCost
+    spec: StepCost
+    ar: StepCost
     spec_per_token: float
     ar_per_token: float
 
@@ -101,7 +73,7 @@ class AdaptiveController:
         self._calls = 0
         self._explore_left = 0
         # (log2 batch bucket, batch samples, speculated) -> measured decode steps
-        self._steps: dict[tuple[int, bool, bool], _StepCost] = {}
+        self._steps: dict[tuple[int, bool, bool], StepCost] = {}
         self._shapes: dict[tuple[int, bool], TreeBudget] = {}  # (bucket, sampled) -> planned tree
         self._since_explore = 0
         # Tokens per sequence per speculative step of one tree shape, pooled over the buckets
@@ -109,18 +81,25 @@ class AdaptiveController:
         # varies) but its yield poorly (a sampled step emits 1 to 7 tokens), which used to
         # decide on noise. (sampled, tree) -> (EWMA, steps)
         self._yield: dict[tuple[bool, TreeBudget | None], tuple[float, int]] = {}
+        # The graphed path (budgets with captured device steps): measured choice among them.
+        self.arms = MeasuredArms(explore_every)
+        self._graphed_arms: dict[bool, list[TreeBudget]] = {}  # sampled -> captured budgets
 
     def observe(
-        self, batch_size: int, speculated: bool, seconds: float, tokens: int, sampled: bool = False
+        self, batch_size: int, budget: TreeBudget, seconds: float, tokens: int, sampled: bool = False
     ) -> None:
         """Record one decode step's real cost (host overhead included) and the tokens it produced
         before max_tokens / stop truncation (a request ending mid-path says nothing of the choice)."""
         if tokens <= 0:
             return
+        if self._graphed_arms.get(sampled):
+            self.arms.observe(batch_size, sampled, budget, seconds, tokens)
+            return
+        speculated = budget.speculates
         key = (batch_size.bit_length(), sampled, speculated)
         cost = self._steps.get(key)
         if cost is None:
-            self._steps[key] = _StepCost(seconds, float(batch_size), float(tokens), 1, seconds)
+            self._steps[key] = StepCost(seconds, float(batch_size), float(tokens), 1, seconds)
         else:
             cost.add(seconds, batch_size, tokens)
         if speculated:  # a long memory: ~50 steps
@@ -194,6 +173,9 @@ class AdaptiveController:
             return PRIOR
 
     def choose(self, engine: LLMEngine, batch_size: int, sampled: bool = False) -> TreeBudget:
+        arms = self._graphed_arms.setdefault(sampled, engine.graphed_budgets(sampled))
+        if arms:  # graphed path: measured choice among the captured budgets and none
+            return self.arms.choose(batch_size, sampled, [NO_SPEC, *arms])
         self._calls += 1
         # Re-plan as the acceptance statistics grow: at 32, 64, 128, ... verified sequence-steps,
         # then every REPLAN_MAX_RECORDS (planning costs milliseconds; steps cost less).
@@ -218,11 +200,8 @@ class AdaptiveController:
         # While speculation wins, an AR step now and then checks it still does (AR steps are
         # cheap to try, so the check is rare).
         periodic = self._calls % (self.explore_every * 4 * self._margin(batch_size, sampled)) == 0
-        no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
-        graphed = engine.graphed_sampled if sampled else engine.graphed_tree
-        if graphed is not None:
-            tree = self.max_budget  # the graphed steps serve one captured budget
-        elif plan.budget == 0:
+        no_spec = NO_SPEC
+        if plan.budget == 0:
             # No planned tree, yet measured steps may say speculate: the "no" comes from a model
             # of eager forwards (no CUDA graphs), which can be badly wrong, and then it offers no
             # shape to trust either. Draft the configured tree: the one the fixed "tree" method
@@ -238,11 +217,9 @@ class AdaptiveController:
                 min_path_prob=self.max_budget.min_path_prob,
             )
         self._forget_other_shapes(batch_size, sampled, tree)
-        # Measured step costs, once there are both, decide; until then the plan does, except
-        # on the graphed path: the plan models eager forwards and host work of the host-driven
-        # path, nothing like a graph replay, so there both choices are measured first.
+        # Measured step costs, once there are both, decide; until then the plan does.
         measured_ar = self._measured_says_ar(batch_size, sampled)
-        if measured_ar is None and (plan.budget > 0 or graphed is not None):
+        if measured_ar is None and plan.budget > 0:
             return tree if self._calls % 2 else no_spec  # measure both, alternating
         if measured_ar is False:
             return no_spec if periodic else tree
@@ -257,8 +234,7 @@ class AdaptiveController:
 
     def _forget_other_shapes(self, batch_size: int, sampled: bool, planned: TreeBudget) -> None:
         """Speculative step costs were measured on one tree shape: when a re-plan changes the
-        shape for this bucket, measure it again (AR costs stay valid). The graphed path's shape
-        never changes, so its measurements are kept across re-plans."""
+        shape for this bucket, measure it again (AR costs stay valid)."""
         key = (batch_size.bit_length(), sampled)
         if self._shapes.get(key, planned) != planned:
             self._steps.pop((*key, True), None)

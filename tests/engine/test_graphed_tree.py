@@ -214,3 +214,31 @@ def test_greedy_and_unseeded_sampled_sequences_both_graphed_in_one_step(small_vo
     assert ("graphed_tree", 2) in steps and ("graphed_sampled", 2) in steps
     assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
     assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
+
+
+def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessly(
+    small_vocab_dir: Path,
+) -> None:
+    """Adaptive on the graphed path captures the tree and a chain; stepping through every arm
+    in turn (each switch leaves the MTP modules in another state: behind after AR steps, too far
+    ahead for the chain's catch-up rows after a tree step) keeps the autoregressive tokens, runs
+    both device steps, and leaves nothing behind."""
+    from engine.spec.adaptive import NO_SPEC
+
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=STATIC)
+    arms = eng.graphed_budgets(sampled=False)
+    assert len(arms) == 2 and arms[0] == eng.budget and arms[1].topk == 1, arms
+    assert len(eng.graphed_budgets(sampled=True)) == 2
+    order = [NO_SPEC, arms[1], arms[1], arms[0], arms[0], NO_SPEC, NO_SPEC, arms[0], arms[1]]
+    picks = iter(order * 100)
+    eng.adaptive.choose = lambda engine, batch, sampled=False: next(picks)  # type: ignore[union-attr, method-assign]
+    used: list[int] = []
+    for runner in eng._graphed_runners[::2]:  # the greedy steps: tree, chain
+        run = runner.run
+        runner.run = lambda seqs, run=run, n=runner.N: used.append(n) or run(seqs)  # type: ignore[method-assign]
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert {arms[0].num_draft_tokens, arms[1].num_draft_tokens} <= set(used)
+    assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
+    assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.spec.adaptive import NO_SPEC
+from engine.spec.drafter import TreeBudget
 from train.heldout import heldout_prompts
+
+SPEC_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)  # any speculating budget
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3], [4] * 20, [5, 1]]
@@ -163,13 +167,13 @@ def test_adaptive_measured_costs_overrule_the_plan(small_vocab_dir: Path) -> Non
     """If real speculative steps cost more per token than AR steps, adaptive stops drafting."""
     eng, controller = _adaptive_with_cheap_verify(small_vocab_dir)
     for _ in range(5):
-        controller.observe(4, True, seconds=0.10, tokens=8)  # 12.5 ms per token
-        controller.observe(4, False, seconds=0.02, tokens=4)  # 5 ms per token
+        controller.observe(4, SPEC_TREE, seconds=0.10, tokens=8)  # 12.5 ms per token
+        controller.observe(4, NO_SPEC, seconds=0.02, tokens=4)  # 5 ms per token
     controller._calls = 0
     choices = [controller.choose(eng, 4) for _ in range(controller.explore_every - 1)]
     assert not any(c.speculates for c in choices)
     for _ in range(20):
-        controller.observe(4, True, seconds=0.01, tokens=8)
+        controller.observe(4, SPEC_TREE, seconds=0.01, tokens=8)
     controller._calls = 0
     assert all(controller.choose(eng, 4).speculates for _ in range(controller.explore_every - 1))
 
@@ -179,8 +183,8 @@ def test_adaptive_explores_costly_speculation_rarely(small_vocab_dir: Path) -> N
     a small share of the time (it was one step in 16, which doubled the cost)."""
     eng, controller = _adaptive_with_cheap_verify(small_vocab_dir)
     for _ in range(5):
-        controller.observe(4, True, seconds=0.30, tokens=16, sampled=True)  # 75 ms per token
-        controller.observe(4, False, seconds=0.01, tokens=4, sampled=True)  # 2.5 ms per token
+        controller.observe(4, SPEC_TREE, seconds=0.30, tokens=16, sampled=True)  # 75 ms per token
+        controller.observe(4, NO_SPEC, seconds=0.01, tokens=4, sampled=True)  # 2.5 ms per token
     from engine.spec.adaptive import EXPLORE_RUN
 
     choices = [controller.choose(eng, 4, sampled=True).speculates for _ in range(2000)]
@@ -189,14 +193,12 @@ def test_adaptive_explores_costly_speculation_rarely(small_vocab_dir: Path) -> N
 
 def test_adaptive_keeps_step_costs_until_the_planned_shape_changes(small_vocab_dir: Path) -> None:
     """Re-plans do not throw away what a shape's steps cost; a new shape is measured anew."""
-    from engine.spec.drafter import TreeBudget
-
     _, controller = _adaptive_with_cheap_verify(small_vocab_dir)
     wide, narrow = TreeBudget(4, 6, 32), TreeBudget(2, 4, 8)
     controller._forget_other_shapes(4, False, wide)
     for _ in range(3):  # measured: 3 steps of each kind
-        controller.observe(4, True, seconds=0.01, tokens=8)
-        controller.observe(4, False, seconds=0.01, tokens=1)
+        controller.observe(4, SPEC_TREE, seconds=0.01, tokens=8)
+        controller.observe(4, NO_SPEC, seconds=0.01, tokens=1)
     controller._forget_other_shapes(4, False, wide)  # same plan: kept
     assert (3, False, True) in controller._steps
     assert controller._margin(4, False) == 8  # speculation measured 8x cheaper per token
@@ -216,7 +218,7 @@ def test_adaptive_sees_the_tokens_a_step_produced_before_truncation(demo_model_d
     seen: list[tuple[bool, int]] = []
     eng.adaptive.choose = lambda engine, batch, sampled=False: eng.budget  # type: ignore[method-assign]
     eng.adaptive.observe = (  # type: ignore[method-assign]
-        lambda batch, speculated, seconds, tokens, sampled=False: seen.append((speculated, tokens))
+        lambda batch, budget, seconds, tokens, sampled=False: seen.append((budget.speculates, tokens))
     )
     prompts = heldout_prompts(str(demo_model_dir), eng.tokenizer, 8, 48)  # type: ignore[arg-type]
     for i, prompt in enumerate(prompts):

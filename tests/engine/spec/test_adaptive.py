@@ -13,10 +13,11 @@ import pytest
 from engine.simulator import LatencyModel
 from engine.spec import adaptive
 from engine.spec.acceptance_stats import AcceptanceCounter
-from engine.spec.adaptive import AdaptiveController
+from engine.spec.adaptive import NO_SPEC, AdaptiveController
 from engine.spec.drafter import TreeBudget
 
 MAX = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
+CHAIN = TreeBudget(topk=1, depth=4, num_draft_tokens=4)
 PLAN_SAYS_AR = LatencyModel.analytic(verify_fixed=1e-6, verify_per_token=0.01)
 PLAN_SAYS_SPEC = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=1e-6)
 STEPS = 400
@@ -27,9 +28,9 @@ def _controller(
     monkeypatch: pytest.MonkeyPatch, latency: LatencyModel, graphed: bool = False
 ) -> tuple[SimpleNamespace, AdaptiveController]:
     monkeypatch.setattr(adaptive, "calibrate_latency", lambda engine, budget: latency)
+    arms = [CHAIN, MAX] if graphed else []
     eng = SimpleNamespace(
-        acceptance=AcceptanceCounter(), graphed_tree=object() if graphed else None,
-        graphed_sampled=None,
+        acceptance=AcceptanceCounter(), graphed_budgets=lambda sampled: [] if sampled else arms
     )
     return eng, AdaptiveController(eng, MAX)  # type: ignore[arg-type]
 
@@ -50,22 +51,19 @@ def _drive(
         budgets.append(budget)
         if budget.speculates:
             if ar_run < 2:
-                controller.observe(BATCH, True, *spec)
+                controller.observe(BATCH, MAX, *spec)
             ar_run = 0
         else:
-            controller.observe(BATCH, False, *ar)
+            controller.observe(BATCH, NO_SPEC, *ar)
             ar_run += 1
     return budgets
 
 
-@pytest.mark.parametrize("graphed", [False, True])
-def test_measured_speculation_overrules_a_plan_that_says_ar(
-    monkeypatch: pytest.MonkeyPatch, graphed: bool
-) -> None:
+def test_measured_speculation_overrules_a_plan_that_says_ar(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan says budget 0 (its eager latency model can be wrong), yet speculative steps
     measure 2x cheaper per token: the controller speculates with the configured tree, checking
     AR now and then."""
-    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed)
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR)
     budgets = _drive(eng, controller, spec=(0.02, 16), ar=(0.01, 4))  # 1.25 vs 2.5 ms per token
     assert controller._planner is not None and controller._planner.plan(BATCH).budget == 0
     speculated = [b for b in budgets if b.speculates]
@@ -92,25 +90,25 @@ def test_a_buckets_own_costs_win_then_monotonicity_then_neighbours(
     batch 64 wins at larger ones; failing those, a neighbouring bucket stands in."""
     _, controller = _controller(monkeypatch, PLAN_SAYS_SPEC)
     for _ in range(2):  # batch 16 (bucket 5): speculation cheaper, but only 2 steps of each
-        controller.observe(16, True, seconds=0.01, tokens=64)
-        controller.observe(16, False, seconds=0.01, tokens=16)
+        controller.observe(16, MAX, seconds=0.01, tokens=64)
+        controller.observe(16, NO_SPEC, seconds=0.01, tokens=16)
     assert controller._measured_says_ar(4, False) is None  # fewer than 3 of each: not measured
-    controller.observe(16, True, seconds=0.01, tokens=64)
-    controller.observe(16, False, seconds=0.01, tokens=16)
+    controller.observe(16, MAX, seconds=0.01, tokens=64)
+    controller.observe(16, NO_SPEC, seconds=0.01, tokens=16)
     assert controller._measured_says_ar(16, False) is False  # 3 of each: its own costs decide
     assert controller._measured_says_ar(4, False) is False  # smaller batch: speculation too
     assert controller._measured_says_ar(64, False) is None  # larger, not a neighbour: unknown
     assert controller._measured_says_ar(32, False) is False  # the neighbouring bucket
     for _ in range(3):  # batch 64 (bucket 7): AR cheaper per token
-        controller.observe(64, True, seconds=0.04, tokens=64)
-        controller.observe(64, False, seconds=0.01, tokens=64)
+        controller.observe(64, MAX, seconds=0.04, tokens=64)
+        controller.observe(64, NO_SPEC, seconds=0.01, tokens=64)
     assert controller._measured_says_ar(64, False) is True
     assert controller._measured_says_ar(256, False) is True  # larger batch: AR too
     assert controller._measured_says_ar(32, False) is True  # between: the upper neighbour
     assert controller._measured_says_ar(4, True) is None  # sampled steps are apart
     for _ in range(3):  # batch 2 (bucket 2) measured AR cheaper, contradicting batch 16
-        controller.observe(2, True, seconds=0.04, tokens=4)
-        controller.observe(2, False, seconds=0.01, tokens=2)
+        controller.observe(2, MAX, seconds=0.04, tokens=4)
+        controller.observe(2, NO_SPEC, seconds=0.01, tokens=2)
     assert controller._measured_says_ar(2, False) is True  # its own costs
     assert controller._measured_says_ar(1, False) is False  # larger buckets' wins come first
 
@@ -123,39 +121,25 @@ def test_one_buckets_batch_sizes_share_one_planned_shape(monkeypatch: pytest.Mon
     controller.choose(eng, 2)  # type: ignore[arg-type]
     assert controller._planner is not None
     assert controller._planner.plan(2).budget != controller._planner.plan(4).budget
-    controller.observe(2, True, seconds=0.01, tokens=8)
+    controller.observe(2, MAX, seconds=0.01, tokens=8)
     for batch in (3, 2, 3):
         controller.choose(eng, batch)  # type: ignore[arg-type]
         assert (2, False, True) in controller._steps
 
 
-def test_graphed_path_measures_both_choices_first_whatever_the_plan(
+def test_graphed_path_chooses_among_the_captured_budgets_by_measurement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On the graphed path the plan (eager forwards) is no guide: with nothing measured the
-    controller alternates, so speculation that pays is found within a few steps (a benchmark
-    round of 64 AR steps is too short to wait for exploration)."""
+    """With captured device steps the plan (eager forwards) is no guide: every arm is measured
+    within a few steps whatever the plan says, and the cheapest per token carries the steps."""
     eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
-    budgets = _drive(eng, controller, spec=(0.02, 16), ar=(0.01, 4))
-    assert sum(b.speculates for b in budgets[:8]) >= 3
-    assert all(b.speculates for b in budgets[10:40])
-    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=False)
-    budgets = _drive(eng, controller, spec=(0.02, 16), ar=(0.01, 4))
-    assert not any(b.speculates for b in budgets[:8]), "host path: the plan decides until measured"
-
-
-def test_speculative_yield_is_pooled_over_the_buckets_drafting_the_same_tree(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Three unlucky sampled steps at batch 4 (one token per sequence) must not decide: the
-    yield of that tree measured over many steps elsewhere stands in; step times stay per bucket."""
-    eng, controller = _controller(monkeypatch, PLAN_SAYS_SPEC, graphed=True)
-    for _ in range(60):  # batch 1: the captured tree yields 5 tokens per step
-        controller.choose(eng, 1)  # type: ignore[arg-type]
-        controller.observe(1, True, seconds=0.010, tokens=5)
-        controller.observe(1, False, seconds=0.008, tokens=1)
-    for _ in range(3):  # batch 4: unlucky steps, 1 token per sequence
-        controller.choose(eng, 4)  # type: ignore[arg-type]
-        controller.observe(4, True, seconds=0.012, tokens=4)
-        controller.observe(4, False, seconds=0.009, tokens=4)
-    assert controller._measured_says_ar(4, False) is False  # 0.012 / (4 x ~4.8) < 0.009 / 4
+    costs = {NO_SPEC: (0.01, 4), CHAIN: (0.012, 12), MAX: (0.02, 16)}  # per token: 2.5, 1, 1.25 ms
+    chosen = []
+    for _ in range(STEPS):
+        budget = controller.choose(eng, BATCH)  # type: ignore[arg-type]
+        chosen.append(budget)
+        controller.observe(BATCH, budget, *costs[budget])
+    assert {NO_SPEC, CHAIN, MAX} <= set(chosen[:12]), "every arm is measured first"
+    assert chosen[40:].count(CHAIN) >= 0.8 * len(chosen[40:])
+    assert NO_SPEC in chosen[40:] and MAX in chosen[40:], "the others are re-run now and then"
+    assert controller._steps == {}, "graphed steps are not counted on the host path's books"

@@ -1,0 +1,77 @@
+"""engine/spec/arms.py: the graphed path's measured choice among captured draft budgets."""
+
+from __future__ import annotations
+
+from engine.spec.arms import MeasuredArms, StepCost
+from engine.spec.drafter import TreeBudget
+
+NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
+CHAIN = TreeBudget(topk=1, depth=4, num_draft_tokens=4)
+TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
+ARMS = [NO_SPEC, CHAIN, TREE]
+
+
+def _drive(
+    arms: MeasuredArms, batch: int, costs: dict[TreeBudget, tuple[float, int]], steps: int
+) -> list[TreeBudget]:
+    """``steps`` decode steps as the engine runs them: each arm costs (seconds, tokens); a
+    speculative step right after an AR step catches the MTP modules up and is not observed."""
+    chosen: list[TreeBudget] = []
+    for _ in range(steps):
+        arm = arms.choose(batch, False, ARMS)
+        if not (arm.speculates and chosen and not chosen[-1].speculates):
+            arms.observe(batch, False, arm, *costs[arm])
+        chosen.append(arm)
+    return chosen
+
+
+def test_the_cheapest_arm_per_token_carries_the_steps_and_the_others_are_rechecked() -> None:
+    arms = MeasuredArms()
+    # Per token: AR 2.5 ms, chain 1.25 ms, tree 1.0 ms at batch 4.
+    costs = {NO_SPEC: (0.010, 4), CHAIN: (0.015, 12), TREE: (0.020, 20)}
+    chosen = _drive(arms, 4, costs, 400)
+    assert arms.best(3, False, ARMS) == TREE
+    tail = chosen[60:]
+    assert tail.count(TREE) >= 0.85 * len(tail)
+    assert NO_SPEC in tail and CHAIN in tail, "the other arms are re-run now and then"
+
+
+def test_autoregressive_wins_where_every_draft_costs_more_than_it_yields() -> None:
+    arms = MeasuredArms()
+    costs = {NO_SPEC: (0.010, 64), CHAIN: (0.030, 128), TREE: (0.060, 200)}
+    chosen = _drive(arms, 64, costs, 400)
+    assert arms.best(7, False, ARMS) == NO_SPEC
+    assert chosen[60:].count(NO_SPEC) >= 0.85 * len(chosen[60:])
+
+
+def test_a_new_bucket_starts_from_the_nearest_measured_one_without_a_full_round() -> None:
+    """A batch entering a bucket not measured yet (the batch grows or shrinks) uses the best arm
+    of the nearest measured bucket and measures its own at the exploration cadence only."""
+    arms = MeasuredArms(explore_every=16)
+    _drive(arms, 16, {NO_SPEC: (0.01, 16), CHAIN: (0.012, 48), TREE: (0.02, 64)}, 100)
+    assert arms.best(5, False, ARMS) == CHAIN
+    first = [arms.choose(24, False, ARMS) for _ in range(10)]  # bucket 5 too: measured
+    assert first.count(CHAIN) >= 7, first
+    nxt = [arms.choose(40, False, ARMS) for _ in range(10)]  # bucket 6: nothing measured
+    assert nxt.count(CHAIN) >= 7, nxt
+
+
+def test_a_buckets_few_unlucky_steps_do_not_decide_the_pooled_yield_does() -> None:
+    """Three sampled steps of one token per sequence at batch 4 must not decide: the yield of
+    that arm measured over many steps elsewhere stands in; step times stay per bucket."""
+    arms = MeasuredArms()
+    for _ in range(60):  # batch 1: the tree yields 5 tokens per step
+        arms.observe(1, True, TREE, 0.010, 5)
+        arms.observe(1, True, NO_SPEC, 0.008, 1)
+    for _ in range(3):  # batch 4: unlucky steps, 1 token per sequence
+        arms.observe(4, True, TREE, 0.012, 4)
+        arms.observe(4, True, NO_SPEC, 0.009, 4)
+    tree, ar = arms.per_token(3, True, TREE), arms.per_token(3, True, NO_SPEC)
+    assert tree is not None and ar is not None
+    assert tree < ar  # 0.012 / (4 x ~4.9) < 0.009 / 4
+
+
+def test_a_stalled_step_counts_at_most_twice_the_fastest() -> None:
+    cost = StepCost(0.01, 4.0, 4.0, 1, 0.01)
+    cost.add(1.0, 4, 4)  # a graph upload or a garbage collection
+    assert cost.seconds <= 0.02
