@@ -85,8 +85,6 @@ class LLMEngine:
         device: torch.device,
     ) -> None:
         cfg = model.config
-        if device.type == "cpu":
-            model.use_column_major_projections()  # faster few-row verify/draft GEMMs
         self.model = model
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
