@@ -5,7 +5,7 @@ Built once per forward by the engine (see docs/internals.md) and shared by every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,9 @@ class AttentionBatch:
     # [N] int32 committed entries visible to each query (<= its sequence's ctx_len); None = all.
     # MTP modules beyond the second hide the most recent committed entries (see engine/spec/drafter.py).
     query_ctx_lens: torch.Tensor | None = None
+    # Work derived from the fields above once per forward and shared by its layers (the
+    # reference attention's plan); build a new batch, not new field values, for another forward.
+    memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

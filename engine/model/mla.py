@@ -96,6 +96,7 @@ class MultiHeadLatentAttention(nn.Module):
             batch.new_mask,
             self.scale,
             query_ctx_lens=batch.query_ctx_lens,
+            memo=batch.memo,
         )  # [N, heads, kv_rank]
         out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)  # [N, heads, v]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
