@@ -386,12 +386,15 @@ class LLMEngine:
                     self._speculative_step(host, budget, outputs)
             else:
                 self._autoregressive_step(decode, outputs)
-            if self.adaptive is not None and not self._step_caught_up:  # only steady steps
+            if self.adaptive is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                self.adaptive.observe(len(decode), budget, time.perf_counter() - start,
-                                      self._step_tokens,
-                                      sampled=not all(s.sampling.greedy for s in decode))
+                seconds = time.perf_counter() - start
+                sampled = not all(s.sampling.greedy for s in decode)
+                if self._step_caught_up:  # not a steady step: what a switch to ``budget`` costs
+                    self.adaptive.observe_catch_up(len(decode), budget, seconds, sampled)
+                else:
+                    self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
         return outputs
 
     def _choose_budget(self, seqs: list[Sequence]) -> TreeBudget:
@@ -432,7 +435,10 @@ class LLMEngine:
             tokens = self._sample_rows([seq for seq, _ in finishing], logits)
             for (seq, _), token in zip(finishing, tokens, strict=True):
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
-            runners = self._graphed_steps(self.budget)
+            # Catch the MTP modules up over the prompt now, so that the first decode step can
+            # already take a device step. Adaptive engines leave it to the first speculative
+            # step: where autoregressive decoding wins (large batches) it is never paid.
+            runners = self._graphed_steps(self.budget) if self.adaptive is None else []
             if runners and self.drafter is not None:
                 ready = [
                     seq for seq, _ in finishing
@@ -717,7 +723,7 @@ class LLMEngine:
         slots = table[positions // bs] * bs + positions % bs
         self.pool.zero_slots(slots, slice(0, self.model_config.num_hidden_layers))
         seq.num_committed = keep
-        rows = seq.pending_hidden[0] if seq.pending_hidden else None
+        rows = seq.hidden_rows(0) if seq.pending_hidden else None
         if rows is not None:
             seq.pending_hidden[0] = rows[: max(keep - seq.pending_start[0], 0)]
 

@@ -20,6 +20,8 @@ import torch
 from engine.outputs import SpecStats
 from engine.params import SamplingParams
 
+MAX_HIDDEN_TAIL = 64  # appended row groups kept apart before they are concatenated
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -53,6 +55,8 @@ class Sequence:
         self.mtp_committed = [0] * k
         self.pending_hidden = [None] * k
         self.pending_start = [0] * k
+        self._hidden_tail: list[list[torch.Tensor]] = [[] for _ in range(k)]
+        self._tail_rows = [0] * k
 
     # ---- views ----
     @property
@@ -70,20 +74,40 @@ class Sequence:
 
     # ---- MTP hidden-state queue ----
     def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:
-        """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1."""
+        """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1.
+
+        Appending is O(1) host work: rows join a tail concatenated when next read
+        (``hidden_rows``), so an autoregressive step keeping MTP state launches no kernel per
+        sequence (a long tail is folded in now and then)."""
         if depth >= self.num_mtp_modules:
             return  # the last module's outputs feed nobody
         current = self.pending_hidden[depth]
-        if current is None or current.shape[0] == 0:
+        tail = self._hidden_tail[depth]
+        if (current is None or current.shape[0] == 0) and not tail:
             self.pending_hidden[depth] = rows
             self.pending_start[depth] = start
-        else:
-            assert self.pending_start[depth] + current.shape[0] == start, "hidden rows out of order"
-            self.pending_hidden[depth] = torch.cat([current, rows], dim=0)
+            return
+        held = (current.shape[0] if current is not None else 0) + self._tail_rows[depth]
+        assert self.pending_start[depth] + held == start, "hidden rows out of order"
+        tail.append(rows)
+        self._tail_rows[depth] += rows.shape[0]
+        if len(tail) >= MAX_HIDDEN_TAIL:
+            self.hidden_rows(depth)
+
+    def hidden_rows(self, depth: int) -> torch.Tensor | None:
+        """Depth-``depth`` rows module ``depth + 1`` has not consumed yet (from ``pending_start``)."""
+        tail = self._hidden_tail[depth]
+        if tail:
+            current = self.pending_hidden[depth]
+            parts = ([current] if current is not None and current.shape[0] else []) + tail
+            self.pending_hidden[depth] = torch.cat(parts, dim=0)
+            tail.clear()
+            self._tail_rows[depth] = 0
+        return self.pending_hidden[depth]
 
     def take_hidden(self, depth: int, upto: int) -> tuple[int, torch.Tensor | None]:
         """Remove and return depth-``depth`` rows with hidden index <= upto: (start, rows)."""
-        rows = self.pending_hidden[depth]
+        rows = self.hidden_rows(depth)
         start = self.pending_start[depth]
         if rows is None or upto < start:
             return start, None

@@ -29,6 +29,7 @@ Two paths, one per way a step runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,6 +109,12 @@ class AdaptiveController:
             mean += (tokens / batch_size - mean) * max(0.02, 1 / (n + 1))
             self._yield[shape] = (mean, n + 1)
 
+    def observe_catch_up(self, batch_size: int, budget: TreeBudget, seconds: float, sampled: bool = False) -> None:
+        """A speculative step that first caught the MTP modules up (after AR steps, a prompt, or
+        a switch of budget): not a steady cost, but what exploring ``budget`` costs on top."""
+        if self._graphed_arms.get(sampled):
+            self.arms.observe_catch_up(batch_size, sampled, budget, seconds)
+
     def _costs(self, bucket: int, sampled: bool) -> _Measured | None:
         """A batch bucket's measured speculative and AR steps; None until each kind has
         MIN_MEASURED steps (fewer do not set how often to explore either: one exploring run
@@ -173,7 +180,9 @@ class AdaptiveController:
             return PRIOR
 
     def choose(self, engine: LLMEngine, batch_size: int, sampled: bool = False) -> TreeBudget:
-        arms = self._graphed_arms.setdefault(sampled, engine.graphed_budgets(sampled))
+        arms = self._graphed_arms.get(sampled)
+        if arms is None:
+            arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
         if arms:  # graphed path: measured choice among the captured budgets and none
             return self.arms.choose(batch_size, sampled, [NO_SPEC, *arms])
         self._calls += 1
@@ -255,7 +264,9 @@ def _grid(device: torch.device, max_batch: int, max_tokens: int) -> list[tuple[i
 
 @torch.inference_mode()
 def calibrate_latency(engine: LLMEngine, max_budget: TreeBudget, context: int = 64) -> LatencyModel:
-    """Time real target and MTP forwards over scratch blocks; returns measured surfaces."""
+    """Time real target and MTP forwards over scratch blocks; returns measured surfaces.
+
+    On CUDA each forward is timed as a CUDA-graph replay, as the decode steps run there."""
     pool = engine.pool
     device = engine.device
     grid = _grid(device, engine.config.max_batch_size, max_budget.num_draft_tokens)
@@ -311,8 +322,16 @@ def calibrate_latency(engine: LLMEngine, max_budget: TreeBudget, context: int = 
 
 
 def _time(fn: object, device: torch.device, repeats: int = 3) -> float:
+    """Best of ``repeats`` runs of ``fn``: on CUDA as replays of a CUDA graph of it (how the
+    decode steps run there: launches cost nothing, only the kernels), eagerly elsewhere or when
+    capture fails."""
     run = fn  # type: ignore[assignment]
-    run()  # type: ignore[operator]  # warm-up
+    run()  # type: ignore[operator]  # warm-up (Triton compiles)
+    if device.type == "cuda":
+        graph = _capture(run)  # type: ignore[arg-type]
+        if graph is not None:
+            run = graph.replay
+            run()  # the first replay uploads the graph
     best = float("inf")
     for _ in range(repeats):
         if device.type == "cuda":
@@ -323,3 +342,20 @@ def _time(fn: object, device: torch.device, repeats: int = 3) -> float:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
+    """A CUDA graph of ``fn`` (its inputs are fixed tensors), None when capture fails."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None

@@ -3,16 +3,20 @@
 On a GPU the decode step is a CUDA-graph replay whose cost no model of eager forwards predicts
 well, while a replay's cost hardly varies: measuring is cheap and exact. So for each batch
 bucket (powers of two) the engine's captured budgets — no speculation, a chain, the full tree —
-are each run for a few steady steps, their cost per emitted token is kept (an EWMA of the step
-time per bucket; the tokens per sequence a budget yields pooled over buckets, since one bucket's
-few steps measure a yield poorly), and the cheapest per token is used. Now and then another arm
-is run for a short while, the least recently measured first, so the choice follows changes in
-acceptance (traffic) and load.
+have a cost per emitted token: an EWMA of the step time in the bucket over the tokens per
+sequence the budget yields (pooled over buckets: one bucket's few steps measure a yield poorly).
+The cheapest arm is used.
 
-A bucket whose arms are not all measured yet (a batch crossing into a new power of two, the
-batch shrinking as requests finish) uses the best arm of the nearest measured bucket, and
-measures its own arms at the exploration cadence: a transient bucket never pays for a full
-round of exploration.
+A bucket where an arm has not run yet extrapolates its step time from the buckets where it has:
+the line through the two nearest (a step costs a fixed part plus a part per sequence; drafting
+arms have the steeper line, verify work growing with the batch), or the one bucket's time as it
+is. So a batch that grows past the size where drafting stops paying switches to
+autoregressive decoding without re-measuring every draft budget at every size.
+
+The other arms are re-run now and then, each at a cadence set by what a run of it costs (a
+drafting run after autoregressive steps first catches the MTP modules up, and that step's cost
+is measured too): a run costs at most ``EXPLORE_SHARE`` of the time the chosen arm runs between
+two runs (``EXPLORE_SHARE_NEW`` while the arm has not run in this bucket, to learn it sooner).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from engine.spec.drafter import TreeBudget
 
 MIN_MEASURED = 3  # steady steps of an arm before its bucket cost counts
 RUN = 3  # steps per exploration run: after AR steps the first one catches the MTP modules up
+EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
+EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 
 
 @dataclass
@@ -54,12 +60,22 @@ class StepCost:
 
 @dataclass
 class _Bucket:
+    created: int  # the step the bucket was first seen
     costs: dict[TreeBudget, StepCost] = field(default_factory=dict)
+    catch_up: dict[TreeBudget, float] = field(default_factory=dict)  # EWMA seconds
     last_run: dict[TreeBudget, int] = field(default_factory=dict)  # arm -> step it last ran
 
 
+@dataclass
+class _Estimate:
+    step: float  # seconds per step at this bucket
+    per_token: float  # seconds per emitted token
+    catch_up: float  # seconds of a first step after a switch (drafting arms)
+    measured: bool  # measured in this bucket (else extrapolated from another)
+
+
 class MeasuredArms:
-    """Per batch bucket, the arm with the lowest measured seconds per emitted token."""
+    """Per batch bucket, the arm with the lowest measured (or extrapolated) seconds per token."""
 
     def __init__(self, explore_every: int = 16) -> None:
         self.explore_every = explore_every
@@ -68,8 +84,10 @@ class MeasuredArms:
         # (sampled, arm) -> (EWMA, steps).
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._calls = 0
-        self._since_explore = 0
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
+
+    def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
+        return self._buckets.setdefault((bucket, sampled), _Bucket(self._calls))
 
     # ------------------------------------------------------------------ measurements
     def observe(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, tokens: int) -> None:
@@ -77,7 +95,7 @@ class MeasuredArms:
         max_tokens / stop truncation."""
         if tokens <= 0:
             return
-        bucket = self._buckets.setdefault((batch_size.bit_length(), sampled), _Bucket())
+        bucket = self._bucket(batch_size.bit_length(), sampled)
         cost = bucket.costs.get(arm)
         if cost is None:
             bucket.costs[arm] = StepCost(seconds, float(batch_size), float(tokens), 1, seconds)
@@ -88,15 +106,49 @@ class MeasuredArms:
             mean += (tokens / batch_size - mean) * max(0.02, 1 / (n + 1))
             self._yield[(sampled, arm)] = (mean, n + 1)
 
+    def observe_catch_up(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float) -> None:
+        """A first step of ``arm`` that caught the MTP modules up: the extra cost of switching."""
+        bucket = self._bucket(batch_size.bit_length(), sampled)
+        old = bucket.catch_up.get(arm)
+        bucket.catch_up[arm] = seconds if old is None else old + (seconds - old) * 0.3
+
     def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
         """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
-        cost = self._buckets.get((bucket, sampled), _Bucket()).costs.get(arm)
+        cost = self._buckets.get((bucket, sampled), _Bucket(0)).costs.get(arm)
         if cost is None or cost.count < MIN_MEASURED:
             return None
+        return cost.seconds / (cost.rows * self._tokens_per_seq(sampled, arm, cost))
+
+    def _tokens_per_seq(self, sampled: bool, arm: TreeBudget, cost: StepCost) -> float:
         if not arm.speculates:
-            return cost.seconds / cost.tokens
-        pooled = self._yield.get((sampled, arm), (cost.tokens / cost.rows, 0))[0]
-        return cost.seconds / (cost.rows * pooled)
+            return cost.tokens / cost.rows
+        return self._yield.get((sampled, arm), (cost.tokens / cost.rows, 0))[0]
+
+    def estimate(self, bucket: int, sampled: bool, arm: TreeBudget) -> _Estimate | None:
+        """``arm``'s cost at ``bucket``: measured there, else extrapolated from the buckets where
+        it was measured (None: measured nowhere). With two or more, the step time is the line
+        through the two nearest (time = fixed + per sequence x batch, never decreasing); with
+        one, that bucket's step time as it is."""
+        found = sorted(
+            ((abs(b - bucket), -b, b) for (b, s), bk in self._buckets.items()
+             if s == sampled and (c := bk.costs.get(arm)) is not None and c.count >= MIN_MEASURED),
+        )  # fmt: skip
+        if not found:
+            return None
+        near = [self._buckets[(b, sampled)] for *_, b in found[:2]]
+        cost = near[0].costs[arm]
+        rows = float(1 << (bucket - 1))
+        step = cost.seconds
+        if found[0][2] == bucket:
+            rows = cost.rows
+        elif len(near) == 2:
+            other = near[1].costs[arm]
+            if other.rows != cost.rows:
+                slope = max((other.seconds - cost.seconds) / (other.rows - cost.rows), 0.0)
+                step = max(cost.seconds + slope * (rows - cost.rows), cost.seconds if rows > cost.rows else 0.0)
+        per_token = step / (rows * self._tokens_per_seq(sampled, arm, cost))
+        catch_up = near[0].catch_up.get(arm, cost.seconds) * step / cost.seconds if arm.speculates else 0.0
+        return _Estimate(step, per_token, catch_up, found[0][2] == bucket)
 
     def best(self, bucket: int, sampled: bool, arms: list[TreeBudget]) -> TreeBudget | None:
         """The cheapest arm per token once every arm of the bucket is measured, else None."""
@@ -110,37 +162,38 @@ class MeasuredArms:
         """The arm for this step (``arms`` in a fixed order, no speculation first)."""
         self._calls += 1
         target = batch_size.bit_length()
-        bucket = self._buckets.setdefault((target, sampled), _Bucket())
+        bucket = self._bucket(target, sampled)
         if self._run is not None and self._run[0] in arms:  # finish an exploring run
             arm, left = self._run
             self._run = (arm, left - 1) if left > 1 else None
             return self._ran(bucket, arm)
-        best = self.best(target, sampled, arms)
-        fallback = best or self._nearest_best(target, sampled, arms)
-        self._since_explore += 1
-        unmeasured = [a for a in arms if self.per_token(target, sampled, a) is None]
-        if fallback is None:  # nothing measured anywhere: measure every arm in turn
-            due = True
-        else:
-            due = self._since_explore >= self.explore_every * (1 if best is None else len(arms))
-        if due:
-            others = unmeasured or [a for a in arms if a != fallback]
-            if others:
-                arm = min(others, key=lambda a: bucket.last_run.get(a, -1))
-                self._since_explore = 0
-                self._run = (arm, RUN - 1)
-                return self._ran(bucket, arm)
-        assert fallback is not None
-        return self._ran(bucket, fallback)
+        estimates = {arm: self.estimate(target, sampled, arm) for arm in arms}
+        known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
+        if not known:  # nothing measured anywhere: run every arm in turn
+            return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
+        chosen = arms[min(known)[1]]
+        step = estimates[chosen].step  # type: ignore[union-attr]
+        overdue = []
+        for arm, est in estimates.items():
+            if arm == chosen:
+                continue
+            if est is None:  # never measured at any batch size: learn it now
+                interval = 1.0
+            else:
+                run_cost = est.catch_up + (RUN - 1) * est.step if arm.speculates else RUN * est.step
+                share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
+                interval = max(float(self.explore_every), run_cost / (share * max(step, 1e-9)))
+            waited = self._calls - bucket.last_run.get(arm, bucket.created)
+            if waited >= interval:
+                overdue.append((waited / interval, arm))
+        if overdue:
+            return self._explore(bucket, max(overdue, key=lambda o: o[0])[1])
+        return self._ran(bucket, chosen)
+
+    def _explore(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
+        self._run = (arm, RUN - 1)
+        return self._ran(bucket, arm)
 
     def _ran(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
         bucket.last_run[arm] = self._calls
         return arm
-
-    def _nearest_best(self, target: int, sampled: bool, arms: list[TreeBudget]) -> TreeBudget | None:
-        """The best arm of the nearest bucket with every arm measured (ties: the larger batch)."""
-        measured = [b for (b, s) in self._buckets if s == sampled and self.best(b, s, arms) is not None]
-        if not measured:
-            return None
-        nearest = min(measured, key=lambda b: (abs(b - target), -b))
-        return self.best(nearest, sampled, arms)

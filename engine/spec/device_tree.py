@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.kernels import triton_available
 from engine.simulator.tree_shape import TreeShape
 
 TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
@@ -35,6 +36,17 @@ def topk_last(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
     index = index + torch.arange(0, V, chunk, device=x.device)[:, None]  # vocabulary ids
     best, pick = values.flatten(-2).topk(k, -1)  # [..., k]
     return best, index.flatten(-2).gather(-1, pick)
+
+
+def logprob_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``log_softmax(logits, -1)`` (float32) and its top ``k`` (values descending, indices):
+    one fused kernel on CUDA with Triton, else ``topk_last`` of the log-softmax."""
+    if logits.is_cuda and triton_available():
+        from engine.kernels.logprob_topk import MAX_VOCAB, logprob_topk_triton
+
+        if logits.shape[-1] <= MAX_VOCAB:
+            return logprob_topk_triton(logits, k)
+    return topk_last(torch.log_softmax(logits, dim=-1, dtype=torch.float32), k)
 
 
 def select_nodes(
@@ -90,7 +102,22 @@ def accept_greedy(
     max_depth: int,
 ) -> AcceptedPath:
     """A node is accepted when its token is the target's argmax at its parent and its parent is
-    accepted; siblings carry different tokens, so the accepted nodes form one path."""
+    accepted; siblings carry different tokens, so the accepted nodes form one path.
+
+    On CUDA with Triton, one fused kernel (``engine.kernels.tree_accept``); else torch ops."""
+    if tokens.is_cuda and triton_available():
+        from engine.kernels.tree_accept import accept_greedy_triton
+
+        a, path, bonus, has_child, rank = accept_greedy_triton(tokens, parents, target, max_depth)
+        j = torch.arange(max_depth + 1, device=tokens.device)
+        return AcceptedPath(a, path, j[None] <= a, bonus, has_child, rank)
+    return accept_greedy_torch(tokens, parents, depths, target, max_depth)
+
+
+def accept_greedy_torch(
+    tokens: Tensor, parents: Tensor, depths: Tensor, target: Tensor, max_depth: int
+) -> AcceptedPath:
+    """``accept_greedy`` as torch ops (the reference of the fused kernel)."""
     B, n = tokens.shape
     node = torch.arange(n, device=tokens.device)
     match = tokens == target.gather(1, parents)

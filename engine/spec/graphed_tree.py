@@ -48,8 +48,8 @@ from engine.spec.device_tree import (
     AcceptedPath,
     accept_greedy,
     ancestor_mask,
+    logprob_topk,
     select_nodes,
-    topk_last,
 )
 from engine.spec.drafter import TreeBudget
 
@@ -272,15 +272,16 @@ class GraphedTreeStep:
         if not self.serves(seq.sampling):
             return False
         L = seq.num_committed
-        if len(seq.tokens) != L + 1 or seq.pending_hidden[0] is None:
+        rows0 = seq.hidden_rows(0)
+        if len(seq.tokens) != L + 1 or rows0 is None:
             return False
         c = L - seq.mtp_committed[0]
         if not 1 <= c <= self.C:
             return False
-        if seq.pending_start[0] != L - c or seq.pending_hidden[0].shape[0] != c:
+        if seq.pending_start[0] != L - c or rows0.shape[0] != c:
             return False
         for d in range(2, self.k + 1):
-            rows = seq.pending_hidden[d - 1]
+            rows = seq.hidden_rows(d - 1)
             mc = L - d - c + 1
             if seq.mtp_committed[d - 1] != mc or rows is None or rows.shape[0] != 1:
                 return False
@@ -583,13 +584,13 @@ class GraphedGreedyTree(GraphedTreeStep):
     def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
         B, K, H = buf.bucket, self.K, self.hidden_size
         if m == 1:
-            score, token = topk_last(self.model.draft_logprobs(front_hidden[:, 0]), K)  # [B, K]
+            score, token = logprob_topk(self.model.lm_head(front_hidden[:, 0]), K)  # [B, K]
             self._cand = {"tok": [token], "score": [score], "parent": [self.root_parents.expand(B, K)]}
             self._front = score, self.first_frontier.expand(B, K)
             return token, front_hidden.expand(B, K, H)
         assert self._front is not None
         front_score, front_idx = self._front
-        child_logp, child_tok = topk_last(self.model.draft_logprobs(front_hidden), K)  # [B, K, K]
+        child_logp, child_tok = logprob_topk(self.model.lm_head(front_hidden), K)  # [B, K, K]
         child_score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
         self._cand["tok"].append(child_tok.reshape(B, K * K))
         self._cand["score"].append(child_score)

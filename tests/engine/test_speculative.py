@@ -210,8 +210,9 @@ def test_adaptive_sees_the_tokens_a_step_produced_before_truncation(demo_model_d
     """A request ending mid-path (max_tokens) emits fewer tokens than the step accepted; the
     controller must be told what the step produced, or every batch's last steps make
     speculation look costlier than it is and flip the choice to AR."""
-    # The static path (eager on CPU): the prefill catches the MTP modules up, so the first
-    # decode step is already a steady one the controller observes.
+    # The static path (eager on CPU). An adaptive engine leaves the MTP catch-up over the prompt
+    # to its first speculative step (not a steady one); here it is done after the prefill, as a
+    # fixed-tree engine does, so the first decode step is a steady one the controller observes.
     eng = LLMEngine.from_pretrained(demo_model_dir, spec=SpecConfig(method="adaptive"),
                                     engine_config=EngineConfig(cuda_graphs=True))
     assert eng.adaptive is not None
@@ -224,6 +225,8 @@ def test_adaptive_sees_the_tokens_a_step_produced_before_truncation(demo_model_d
     for i, prompt in enumerate(prompts):
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     eng.step()  # prefill: each request's first token
+    assert eng.drafter is not None
+    eng.drafter.catch_up(list(eng._requests.values()))
     outs = eng.step()  # one speculative decode step, truncated to one token per request
     assert [len(o.new_token_ids) for o in outs] == [1] * 8 and all(o.finished for o in outs)
     produced = sum(o.step_accepted + 1 for o in outs)

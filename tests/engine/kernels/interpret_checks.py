@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from tests.engine.kernels.accept_cases import check_accept_greedy, check_logprob_topk
 from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
 
 # name -> (make_case kwargs, kernel kwargs); checked against the reference and the naive loop.
@@ -117,6 +118,8 @@ def run_all() -> dict[str, dict]:
         **{f"compaction/{k}": (lambda k=k: _compaction_case(k)) for k in COMPACTION_CASES},
         **{f"rms_norm/{k}": (lambda k=k: check_rms_norm(k, "cpu")) for k in INTERPRETED_FUSED},
         **{f"rope_latent/{k}": (lambda k=k: check_rope_latent(k, "cpu")) for k in INTERPRETED_FUSED},
+        "accept/greedy_random_trees": lambda: check_accept_greedy("cpu"),
+        "accept/logprob_topk": lambda: check_logprob_topk("cpu"),
     }
     for name, job in jobs.items():
         try:

@@ -83,3 +83,17 @@ def test_fused_layer_kernels_match_the_pytorch_path(name: str) -> None:
     for check in (check_rms_norm, check_rope_latent):
         err, tol = check(name, "cuda")
         assert err <= tol, (check.__name__, err, tol)
+
+
+def test_fused_greedy_acceptance_equals_the_torch_ops_on_gpu() -> None:
+    from tests.engine.kernels.accept_cases import check_accept_greedy
+
+    err, tol = check_accept_greedy("cuda")
+    assert err <= tol, "the fused acceptance kernel differs from accept_greedy_torch"
+
+
+def test_fused_logprob_topk_equals_the_torch_ops_on_gpu() -> None:
+    from tests.engine.kernels.accept_cases import check_logprob_topk
+
+    err, tol = check_logprob_topk("cuda")
+    assert err <= tol, err
