@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.kernels import triton_available
+from engine.kernels import run_kernel, triton_available
 from engine.simulator.tree_shape import TreeShape
 
 TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
@@ -45,7 +45,9 @@ def logprob_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         from engine.kernels.logprob_topk import MAX_VOCAB, logprob_topk_triton
 
         if logits.shape[-1] <= MAX_VOCAB:
-            return logprob_topk_triton(logits, k)
+            fused = run_kernel("logprob_topk", lambda: logprob_topk_triton(logits, k))
+            if fused is not None:
+                return fused
     return topk_last(torch.log_softmax(logits, dim=-1, dtype=torch.float32), k)
 
 
@@ -108,9 +110,11 @@ def accept_greedy(
     if tokens.is_cuda and triton_available():
         from engine.kernels.tree_accept import accept_greedy_triton
 
-        a, path, bonus, has_child, rank = accept_greedy_triton(tokens, parents, target, max_depth)
-        j = torch.arange(max_depth + 1, device=tokens.device)
-        return AcceptedPath(a, path, j[None] <= a, bonus, has_child, rank)
+        fused = run_kernel("accept_greedy", lambda: accept_greedy_triton(tokens, parents, target, max_depth))
+        if fused is not None:
+            a, path, bonus, has_child, rank = fused
+            j = torch.arange(max_depth + 1, device=tokens.device)
+            return AcceptedPath(a, path, j[None] <= a, bonus, has_child, rank)
     return accept_greedy_torch(tokens, parents, depths, target, max_depth)
 
 
