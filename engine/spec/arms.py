@@ -29,6 +29,7 @@ MIN_MEASURED = 3  # steady steps of an arm before its bucket cost counts
 RUN = 3  # steps per exploration run: after AR steps the first one catches the MTP modules up
 EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
+SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
 
 
 @dataclass
@@ -85,6 +86,8 @@ class MeasuredArms:
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._calls = 0
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
+        self._current: dict[bool, TreeBudget] = {}  # sampled -> the arm of the last step
+        self._kind = False  # the kind of batch (sampled) of the step being chosen
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket(self._calls))
@@ -161,6 +164,7 @@ class MeasuredArms:
     def choose(self, batch_size: int, sampled: bool, arms: list[TreeBudget]) -> TreeBudget:
         """The arm for this step (``arms`` in a fixed order, no speculation first)."""
         self._calls += 1
+        self._kind = sampled
         target = batch_size.bit_length()
         bucket = self._bucket(target, sampled)
         if self._run is not None and self._run[0] in arms:  # finish an exploring run
@@ -171,7 +175,7 @@ class MeasuredArms:
         known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
         if not known:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
-        chosen = arms[min(known)[1]]
+        chosen = self._stay_unless_worth_the_switch(arms[min(known)[1]], estimates, sampled)
         step = estimates[chosen].step  # type: ignore[union-attr]
         overdue = []
         for arm, est in estimates.items():
@@ -190,10 +194,26 @@ class MeasuredArms:
             return self._explore(bucket, max(overdue, key=lambda o: o[0])[1])
         return self._ran(bucket, chosen)
 
+    def _stay_unless_worth_the_switch(
+        self, best: TreeBudget, estimates: dict[TreeBudget, _Estimate | None], sampled: bool
+    ) -> TreeBudget:
+        """``best``, or the arm running now when switching would not pay: a switch to a drafting
+        arm first catches the MTP modules up (the prompts of requests admitted meanwhile, the
+        tokens of autoregressive steps), which must be won back within ``SWITCH_HORIZON``
+        steps. A batch growing through its prefill or shrinking as requests finish, whose
+        best arm flips between buckets, would otherwise pay a catch-up at every flip."""
+        current = self._current.get(sampled)
+        now, new = estimates.get(current) if current is not None else None, estimates[best]
+        if current is None or current == best or not best.speculates or now is None or new is None:
+            return best
+        saved = SWITCH_HORIZON * new.step * (now.per_token / new.per_token - 1)  # same tokens, less time
+        return best if saved > max(new.catch_up - new.step, 0.0) else current
+
     def _explore(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
         self._run = (arm, RUN - 1)
         return self._ran(bucket, arm)
 
     def _ran(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
         bucket.last_run[arm] = self._calls
+        self._current[self._kind] = arm
         return arm

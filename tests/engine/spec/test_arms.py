@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.spec.arms import MeasuredArms, StepCost
 from engine.spec.drafter import TreeBudget
 
@@ -109,3 +111,20 @@ def test_a_batch_sweep_stays_within_a_few_percent_of_the_best_arm_at_every_size(
             tokens += per_seq * batch
             previous = arm
         assert seconds / tokens <= 1.08 * best, (batch, seconds / tokens / best)
+
+
+@pytest.mark.parametrize(("catch_up", "switches"), [(0.012, True), (0.200, False)])
+def test_a_switch_to_drafting_must_win_back_its_catch_up(catch_up: float, switches: bool) -> None:
+    """Running autoregressively, a drafting arm measured 20% cheaper per token is taken only if
+    its MTP catch-up (measured) is won back within SWITCH_HORIZON steps."""
+    arms = MeasuredArms(explore_every=10_000)  # no exploration in this test
+    for _ in range(3):
+        arms.observe(64, False, NO_SPEC, 0.010, 64)  # 0.156 ms per token
+        arms.observe(64, False, CHAIN, 0.026, 200)  # 0.130 ms per token
+        arms.observe(64, False, TREE, 0.100, 256)  # 0.39 ms per token
+    arms.observe_catch_up(64, False, CHAIN, catch_up)
+    arms._current[False] = NO_SPEC
+    chosen = arms.choose(64, False, ARMS)
+    assert chosen == (CHAIN if switches else NO_SPEC)
+    arms._current[False] = TREE  # 3x costlier per token than the chain: worth any catch-up here
+    assert arms.choose(64, False, ARMS) == CHAIN
