@@ -372,7 +372,8 @@ class LLMEngine:
         self._step_caught_up = False
         self._step_tokens = 0
         if decode:
-            budget = self._choose_budget(decode)
+            lag = self._mtp_lag(decode) if self.adaptive is not None else 0
+            budget = self._choose_budget(decode, lag)
             if self.adaptive is not None and plan.prefill and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # time the decode work alone
             start = time.perf_counter()
@@ -392,17 +393,25 @@ class LLMEngine:
                 seconds = time.perf_counter() - start
                 sampled = not all(s.sampling.greedy for s in decode)
                 if self._step_caught_up:  # not a steady step: what a switch to ``budget`` costs
-                    self.adaptive.observe_catch_up(len(decode), budget, seconds, sampled)
+                    self.adaptive.observe_catch_up(len(decode), budget, seconds, lag, sampled)
                 else:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
         return outputs
 
-    def _choose_budget(self, seqs: list[Sequence]) -> TreeBudget:
+    def _choose_budget(self, seqs: list[Sequence], lag_rows: int) -> TreeBudget:
         if self.spec.method != "adaptive":
             return self.budget
         assert self.adaptive is not None
         sampled = not all(seq.sampling.greedy for seq in seqs)
-        return self.adaptive.choose(self, len(seqs), sampled)
+        return self.adaptive.choose(self, len(seqs), sampled, lag_rows)
+
+    def _mtp_lag(self, seqs: list[Sequence]) -> int:
+        """Rows the MTP modules are behind beyond a steady speculative step's catch-up rows
+        (the prompts of new requests, the tokens of autoregressive steps)."""
+        if self.drafter is None:
+            return 0
+        steady = self.budget.depth + 3
+        return sum(max(len(s.tokens) - 1 - s.mtp_committed[0] - steady, 0) for s in seqs)
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, work: list[tuple[Sequence, int]], outputs: list[RequestOutput]) -> None:

@@ -109,11 +109,13 @@ class AdaptiveController:
             mean += (tokens / batch_size - mean) * max(0.02, 1 / (n + 1))
             self._yield[shape] = (mean, n + 1)
 
-    def observe_catch_up(self, batch_size: int, budget: TreeBudget, seconds: float, sampled: bool = False) -> None:
-        """A speculative step that first caught the MTP modules up (after AR steps, a prompt, or
-        a switch of budget): not a steady cost, but what exploring ``budget`` costs on top."""
+    def observe_catch_up(
+        self, batch_size: int, budget: TreeBudget, seconds: float, lag_rows: int, sampled: bool = False
+    ) -> None:
+        """A speculative step that first caught the MTP modules up over ``lag_rows`` rows (after
+        AR steps, a prompt, or a switch of budget): not a steady cost, but what a switch costs."""
         if self._graphed_arms.get(sampled):
-            self.arms.observe_catch_up(batch_size, sampled, budget, seconds)
+            self.arms.observe_catch_up(batch_size, sampled, budget, seconds, lag_rows)
 
     def _costs(self, bucket: int, sampled: bool) -> _Measured | None:
         """A batch bucket's measured speculative and AR steps; None until each kind has
@@ -179,12 +181,15 @@ class AdaptiveController:
         except ValueError:
             return PRIOR
 
-    def choose(self, engine: LLMEngine, batch_size: int, sampled: bool = False) -> TreeBudget:
+    def choose(
+        self, engine: LLMEngine, batch_size: int, sampled: bool = False, lag_rows: int = 0
+    ) -> TreeBudget:
+        """The budget for this step; ``lag_rows``: rows the MTP modules are behind."""
         arms = self._graphed_arms.get(sampled)
         if arms is None:
             arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
         if arms:  # graphed path: measured choice among the captured budgets and none
-            return self.arms.choose(batch_size, sampled, [NO_SPEC, *arms])
+            return self.arms.choose(batch_size, sampled, [NO_SPEC, *arms], lag_rows)
         self._calls += 1
         # Re-plan as the acceptance statistics grow: at 32, 64, 128, ... verified sequence-steps,
         # then every REPLAN_MAX_RECORDS (planning costs milliseconds; steps cost less).

@@ -13,10 +13,17 @@ arms have the steeper line, verify work growing with the batch), or the one buck
 is. So a batch that grows past the size where drafting stops paying switches to
 autoregressive decoding without re-measuring every draft budget at every size.
 
-The other arms are re-run now and then, each at a cadence set by what a run of it costs (a
-drafting run after autoregressive steps first catches the MTP modules up, and that step's cost
-is measured too): a run costs at most ``EXPLORE_SHARE`` of the time the chosen arm runs between
-two runs (``EXPLORE_SHARE_NEW`` while the arm has not run in this bucket, to learn it sooner).
+The other arms are re-run now and then, each at a cadence set by what a run of it costs: a run
+costs at most ``EXPLORE_SHARE`` of the time the chosen arm runs between two runs
+(``EXPLORE_SHARE_NEW`` while the arm has not run in this bucket, to learn it sooner).
+
+A drafting step after autoregressive steps (or for requests just admitted) first catches the MTP
+modules up over every row they are behind. Its cost is measured per row and counted, for the
+rows behind now, in the cost of an exploring run and of a switch: a switch to a drafting arm is
+made only if it wins its catch-up back within ``SWITCH_HORIZON`` steps. So a large batch that
+decodes autoregressively (where the catch-up of hundreds of sequences costs many steps) stops
+paying for probes of drafting that could not pay off, while a small batch behind by a few rows
+switches back at once.
 """
 
 from __future__ import annotations
@@ -63,7 +70,6 @@ class StepCost:
 class _Bucket:
     created: int  # the step the bucket was first seen
     costs: dict[TreeBudget, StepCost] = field(default_factory=dict)
-    catch_up: dict[TreeBudget, float] = field(default_factory=dict)  # EWMA seconds
     last_run: dict[TreeBudget, int] = field(default_factory=dict)  # arm -> step it last ran
 
 
@@ -71,7 +77,6 @@ class _Bucket:
 class _Estimate:
     step: float  # seconds per step at this bucket
     per_token: float  # seconds per emitted token
-    catch_up: float  # seconds of a first step after a switch (drafting arms)
     measured: bool  # measured in this bucket (else extrapolated from another)
 
 
@@ -87,6 +92,7 @@ class MeasuredArms:
         self._calls = 0
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
         self._current: dict[bool, TreeBudget] = {}  # sampled -> the arm of the last step
+        self._row_cost: dict[bool, float] = {}  # sampled -> seconds to catch up one row (EWMA)
         self._kind = False  # the kind of batch (sampled) of the step being chosen
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
@@ -109,11 +115,22 @@ class MeasuredArms:
             mean += (tokens / batch_size - mean) * max(0.02, 1 / (n + 1))
             self._yield[(sampled, arm)] = (mean, n + 1)
 
-    def observe_catch_up(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float) -> None:
-        """A first step of ``arm`` that caught the MTP modules up: the extra cost of switching."""
-        bucket = self._bucket(batch_size.bit_length(), sampled)
-        old = bucket.catch_up.get(arm)
-        bucket.catch_up[arm] = seconds if old is None else old + (seconds - old) * 0.3
+    def observe_catch_up(
+        self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, lag_rows: int
+    ) -> None:
+        """A first step of ``arm`` that caught the MTP modules up over ``lag_rows`` rows (the
+        prompts of new requests, the tokens of autoregressive steps): its time beyond a steady
+        step of ``arm`` gives the cost of catching up one row."""
+        if lag_rows <= 0:
+            return
+        est = self.estimate(batch_size.bit_length(), sampled, arm)
+        per_row = max(seconds - (est.step if est is not None else 0.0), 0.0) / lag_rows
+        old = self._row_cost.get(sampled)
+        self._row_cost[sampled] = per_row if old is None else old + (per_row - old) * 0.3
+
+    def catch_up_seconds(self, sampled: bool, lag_rows: int) -> float:
+        """What catching the MTP modules up over ``lag_rows`` rows costs (0 until measured)."""
+        return self._row_cost.get(sampled, 0.0) * lag_rows
 
     def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
         """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
@@ -150,8 +167,7 @@ class MeasuredArms:
                 slope = max((other.seconds - cost.seconds) / (other.rows - cost.rows), 0.0)
                 step = max(cost.seconds + slope * (rows - cost.rows), cost.seconds if rows > cost.rows else 0.0)
         per_token = step / (rows * self._tokens_per_seq(sampled, arm, cost))
-        catch_up = near[0].catch_up.get(arm, cost.seconds) * step / cost.seconds if arm.speculates else 0.0
-        return _Estimate(step, per_token, catch_up, found[0][2] == bucket)
+        return _Estimate(step, per_token, found[0][2] == bucket)
 
     def best(self, bucket: int, sampled: bool, arms: list[TreeBudget]) -> TreeBudget | None:
         """The cheapest arm per token once every arm of the bucket is measured, else None."""
@@ -161,8 +177,11 @@ class MeasuredArms:
         return arms[min(costs)[1]]  # type: ignore[type-var]
 
     # ------------------------------------------------------------------ choice
-    def choose(self, batch_size: int, sampled: bool, arms: list[TreeBudget]) -> TreeBudget:
-        """The arm for this step (``arms`` in a fixed order, no speculation first)."""
+    def choose(
+        self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int = 0
+    ) -> TreeBudget:
+        """The arm for this step (``arms`` in a fixed order, no speculation first); ``lag_rows``:
+        rows the MTP modules are behind (what a drafting step would first catch up)."""
         self._calls += 1
         self._kind = sampled
         target = batch_size.bit_length()
@@ -175,7 +194,8 @@ class MeasuredArms:
         known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
         if not known:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
-        chosen = self._stay_unless_worth_the_switch(arms[min(known)[1]], estimates, sampled)
+        catch_up = self.catch_up_seconds(sampled, lag_rows)
+        chosen = self._stay_unless_worth_the_switch(arms[min(known)[1]], estimates, sampled, catch_up)
         step = estimates[chosen].step  # type: ignore[union-attr]
         overdue = []
         for arm, est in estimates.items():
@@ -184,7 +204,7 @@ class MeasuredArms:
             if est is None:  # never measured at any batch size: learn it now
                 interval = 1.0
             else:
-                run_cost = est.catch_up + (RUN - 1) * est.step if arm.speculates else RUN * est.step
+                run_cost = RUN * est.step + (catch_up if arm.speculates else 0.0)
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
                 interval = max(float(self.explore_every), run_cost / (share * max(step, 1e-9)))
             waited = self._calls - bucket.last_run.get(arm, bucket.created)
@@ -195,7 +215,8 @@ class MeasuredArms:
         return self._ran(bucket, chosen)
 
     def _stay_unless_worth_the_switch(
-        self, best: TreeBudget, estimates: dict[TreeBudget, _Estimate | None], sampled: bool
+        self, best: TreeBudget, estimates: dict[TreeBudget, _Estimate | None], sampled: bool,
+        catch_up: float,
     ) -> TreeBudget:
         """``best``, or the arm running now when switching would not pay: a switch to a drafting
         arm first catches the MTP modules up (the prompts of requests admitted meanwhile, the
@@ -207,7 +228,7 @@ class MeasuredArms:
         if current is None or current == best or not best.speculates or now is None or new is None:
             return best
         saved = SWITCH_HORIZON * new.step * (now.per_token / new.per_token - 1)  # same tokens, less time
-        return best if saved > max(new.catch_up - new.step, 0.0) else current
+        return best if saved > catch_up else current
 
     def _explore(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
         self._run = (arm, RUN - 1)
