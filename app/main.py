@@ -52,7 +52,7 @@ def engine_factory_from_settings(settings: Settings) -> EngineFactory:
 
 
 def build_service(
-    settings: Settings, tenants: TenantRegistry, engine_factory: EngineFactory
+    settings: Settings, tenants: TenantRegistry, engine_factory: EngineFactory, freeze_gc: bool = False
 ) -> Service:
     metrics = Metrics()
     loop = EngineLoop(
@@ -60,6 +60,7 @@ def build_service(
         max_waiting=settings.max_waiting,
         max_running=settings.max_batch,
         observer=MetricsObserver(metrics),
+        freeze_gc=freeze_gc,
     )
     return Service(
         settings=settings,
@@ -76,12 +77,14 @@ def create_app(
     tenants: TenantRegistry,
     engine_factory: EngineFactory | None = None,
     service: Service | None = None,
+    freeze_gc: bool = False,
 ) -> FastAPI:
     """The API app. The engine is built on the engine thread when the app starts (lifespan);
-    ``/ready`` answers 503 until it is loaded."""
+    ``/ready`` answers 503 until it is loaded. ``freeze_gc``: the process serves this app only
+    (``app.server``), so what exists once the engine is loaded can leave the cyclic GC."""
     if service is None:
         factory = engine_factory or engine_factory_from_settings(settings)
-        service = build_service(settings, tenants, factory)
+        service = build_service(settings, tenants, factory, freeze_gc)
     svc = service
 
     @asynccontextmanager

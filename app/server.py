@@ -94,7 +94,7 @@ async def _watch_load(service: Service, stop: asyncio.Event, exit_code: list[int
 
 
 async def serve(settings: Settings, tenants: TenantRegistry) -> int:
-    app = create_app(settings, tenants)
+    app = create_app(settings, tenants, freeze_gc=True)  # this process serves this app only
     service: Service = app.state.service
     api = _Server(_config(app, settings.host, settings.port, "on"))
     metrics_host = settings.metrics_host or settings.host

@@ -119,7 +119,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         repeats=args.repeats,
         warmup_tokens=args.warmup_tokens if args.warmup_tokens is not None else (0 if gpu else 8), check_batch=args.check_batch,
         check_tokens=args.check_tokens, kv_memory_mb=args.kv_memory_mb,
-        time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour,
+        time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour, freeze_gc=True,
     )
     doc, ok = run_offline(settings, progress=not args.no_progress)
     from bench.results import read_json, write_json

@@ -53,6 +53,9 @@ class OfflineSettings:
     time_limit_s: float | None = None
     price_per_hour: float | None = None
     seed: int = 1000
+    # Once the timed engines are built, keep the cyclic GC off every object alive (as the server
+    # does): for a process that runs one sweep (the CLI), not for a test session.
+    freeze_gc: bool = False
 
 
 def _log(msg: str) -> None:
@@ -173,6 +176,9 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
                                    s.num_prompts or max_batch, s.prompt_tokens)
     modes = build_modes(s.modes, s.tree_budgets)
     contenders, skipped = build_contenders(s.model, base, modes, parse_dtype(s.dtype))
+    if s.freeze_gc:
+        gc.collect()
+        gc.freeze()
     for label, reason in skipped.items():
         _log(f"mode {label}: skipped ({reason})")
 

@@ -468,7 +468,7 @@ class LLMEngine:
         tokens = self._sample_rows(seqs, logits)
         for i, seq in enumerate(seqs):
             if self.drafter is not None:
-                seq.push_hidden(0, seq.num_committed, hidden[i : i + 1])
+                seq.push_hidden(0, seq.num_committed, hidden, row=i)
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
             self._step_tokens += 1

@@ -20,7 +20,7 @@ import torch
 from engine.outputs import SpecStats
 from engine.params import SamplingParams
 
-MAX_HIDDEN_TAIL = 64  # appended row groups kept apart before they are concatenated
+MAX_HIDDEN_TAIL = 256  # appended row groups kept apart before they are concatenated
 
 
 class SeqStatus(enum.Enum):
@@ -55,7 +55,8 @@ class Sequence:
         self.mtp_committed = [0] * k
         self.pending_hidden = [None] * k
         self.pending_start = [0] * k
-        self._hidden_tail: list[list[torch.Tensor]] = [[] for _ in range(k)]
+        # Rows appended since the last read: (tensor, None) for all its rows, (tensor, i) for row i.
+        self._hidden_tail: list[list[tuple[torch.Tensor, int | None]]] = [[] for _ in range(k)]
         self._tail_rows = [0] * k
 
     # ---- views ----
@@ -73,24 +74,25 @@ class Sequence:
         return self.num_uncomputed > 1 or len(self.tokens) == self.output_start
 
     # ---- MTP hidden-state queue ----
-    def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:
-        """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1.
+    def push_hidden(self, depth: int, start: int, rows: torch.Tensor, row: int | None = None) -> None:
+        """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1; with
+        ``row``, the one row ``rows[row]`` of a batch's output (no tensor made per sequence).
 
         Appending is O(1) host work: rows join a tail concatenated when next read
-        (``hidden_rows``), so an autoregressive step keeping MTP state launches no kernel per
-        sequence (a long tail is folded in now and then)."""
+        (``hidden_rows``), so an autoregressive step keeping MTP state launches no kernel and
+        creates no tensor per sequence (a long tail is folded in now and then)."""
         if depth >= self.num_mtp_modules:
             return  # the last module's outputs feed nobody
         current = self.pending_hidden[depth]
         tail = self._hidden_tail[depth]
         if (current is None or current.shape[0] == 0) and not tail:
-            self.pending_hidden[depth] = rows
+            self.pending_hidden[depth] = rows if row is None else rows[row : row + 1]
             self.pending_start[depth] = start
             return
         held = (current.shape[0] if current is not None else 0) + self._tail_rows[depth]
         assert self.pending_start[depth] + held == start, "hidden rows out of order"
-        tail.append(rows)
-        self._tail_rows[depth] += rows.shape[0]
+        tail.append((rows, row))
+        self._tail_rows[depth] += 1 if row is not None else rows.shape[0]
         if len(tail) >= MAX_HIDDEN_TAIL:
             self.hidden_rows(depth)
 
@@ -99,7 +101,8 @@ class Sequence:
         tail = self._hidden_tail[depth]
         if tail:
             current = self.pending_hidden[depth]
-            parts = ([current] if current is not None and current.shape[0] else []) + tail
+            parts = [current] if current is not None and current.shape[0] else []
+            parts += [rows if row is None else rows[row : row + 1] for rows, row in tail]
             self.pending_hidden[depth] = torch.cat(parts, dim=0)
             tail.clear()
             self._tail_rows[depth] = 0
