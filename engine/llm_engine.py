@@ -106,6 +106,7 @@ class LLMEngine:
                 "num_nextn_predict_layers = 0; use method='none'"
             )
         self.budget = resolve_budget(spec, device.type, cfg.vocab_size)
+        self._chain_budget = resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size)
         dtype = next(model.parameters()).dtype
         memory = engine_config.kv_memory_bytes or self._default_kv_bytes(device)
         num_blocks = BlockPool.blocks_for_budget(
@@ -141,14 +142,14 @@ class LLMEngine:
             if self.drafter is not None and self.budget.speculates:
                 budgets = [self.budget]
                 if spec.method == "adaptive":  # a chain arm too, for large batches
-                    budgets.append(resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size))
+                    budgets.append(self._chain_budget)
                 for budget in budgets:
                     self._graphed_runners += self._build_graphed(budget, max_blocks)
                 self.graphed_tree, self.graphed_sampled = self._graphed_runners[:2]  # type: ignore[assignment]
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
-            self.adaptive = AdaptiveController(self, self.budget)
+            self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         # Tokens this step's decode produced before max_tokens / stop truncation: what the
         # chosen speculation (or none) delivers, the measure the adaptive controller compares.

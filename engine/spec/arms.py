@@ -15,12 +15,14 @@ autoregressive decoding without re-measuring every draft budget at every size.
 
 The other arms are re-run now and then, each at a cadence set by what a run of it costs: a run
 costs at most ``EXPLORE_SHARE`` of the time the chosen arm runs between two runs
-(``EXPLORE_SHARE_NEW`` while the arm has not run in this bucket, to learn it sooner).
+(``EXPLORE_SHARE_NEW`` while the arm has not run in this bucket). An arm only extrapolated to
+this bucket is measured within ``explore_every`` steps when it may win here
+(``_worth_measuring``).
 
 A drafting step after autoregressive steps (or for requests just admitted) first catches the MTP
 modules up over every row they are behind. Its cost is measured per row and counted, for the
-rows behind now, in the cost of an exploring run and of a switch: a switch to a drafting arm is
-made only if it wins its catch-up back within ``SWITCH_HORIZON`` steps. So a large batch that
+rows behind now, in the cost of an exploring run and of drafting: a drafting arm behind by some
+rows is chosen only if it wins its catch-up back within ``SWITCH_HORIZON`` steps. So a large batch that
 decodes autoregressively (where the catch-up of hundreds of sequences costs many steps) stops
 paying for probes of drafting that could not pay off, while a small batch behind by a few rows
 switches back at once.
@@ -78,6 +80,7 @@ class _Estimate:
     step: float  # seconds per step at this bucket
     per_token: float  # seconds per emitted token
     measured: bool  # measured in this bucket (else extrapolated from another)
+    source: int  # the nearest bucket it was measured in
 
 
 class MeasuredArms:
@@ -91,9 +94,7 @@ class MeasuredArms:
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._calls = 0
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
-        self._current: dict[bool, TreeBudget] = {}  # sampled -> the arm of the last step
         self._row_cost: dict[bool, float] = {}  # sampled -> seconds to catch up one row (EWMA)
-        self._kind = False  # the kind of batch (sampled) of the step being chosen
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket(self._calls))
@@ -167,7 +168,7 @@ class MeasuredArms:
                 slope = max((other.seconds - cost.seconds) / (other.rows - cost.rows), 0.0)
                 step = max(cost.seconds + slope * (rows - cost.rows), cost.seconds if rows > cost.rows else 0.0)
         per_token = step / (rows * self._tokens_per_seq(sampled, arm, cost))
-        return _Estimate(step, per_token, found[0][2] == bucket)
+        return _Estimate(step, per_token, found[0][2] == bucket, found[0][2])
 
     def best(self, bucket: int, sampled: bool, arms: list[TreeBudget]) -> TreeBudget | None:
         """The cheapest arm per token once every arm of the bucket is measured, else None."""
@@ -183,7 +184,6 @@ class MeasuredArms:
         """The arm for this step (``arms`` in a fixed order, no speculation first); ``lag_rows``:
         rows the MTP modules are behind (what a drafting step would first catch up)."""
         self._calls += 1
-        self._kind = sampled
         target = batch_size.bit_length()
         bucket = self._bucket(target, sampled)
         if self._run is not None and self._run[0] in arms:  # finish an exploring run
@@ -195,14 +195,17 @@ class MeasuredArms:
         if not known:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(sampled, lag_rows)
-        chosen = self._stay_unless_worth_the_switch(arms[min(known)[1]], estimates, sampled, catch_up)
+        chosen = self._pays_its_catch_up(arms[min(known)[1]], estimates, arms[0], catch_up)
         step = estimates[chosen].step  # type: ignore[union-attr]
+        chosen_cost = estimates[chosen].per_token  # type: ignore[union-attr]
         overdue = []
         for arm, est in estimates.items():
             if arm == chosen:
                 continue
             if est is None:  # never measured at any batch size: learn it now
                 interval = 1.0
+            elif not est.measured and self._worth_measuring(target, sampled, arm, est, arms[0], chosen_cost):
+                interval = float(self.explore_every)
             else:
                 run_cost = RUN * est.step + (catch_up if arm.speculates else 0.0)
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
@@ -214,21 +217,39 @@ class MeasuredArms:
             return self._explore(bucket, max(overdue, key=lambda o: o[0])[1])
         return self._ran(bucket, chosen)
 
-    def _stay_unless_worth_the_switch(
-        self, best: TreeBudget, estimates: dict[TreeBudget, _Estimate | None], sampled: bool,
+    def _pays_its_catch_up(
+        self, best: TreeBudget, estimates: dict[TreeBudget, _Estimate | None], baseline: TreeBudget,
         catch_up: float,
     ) -> TreeBudget:
-        """``best``, or the arm running now when switching would not pay: a switch to a drafting
-        arm first catches the MTP modules up (the prompts of requests admitted meanwhile, the
-        tokens of autoregressive steps), which must be won back within ``SWITCH_HORIZON``
-        steps. A batch growing through its prefill or shrinking as requests finish, whose
-        best arm flips between buckets, would otherwise pay a catch-up at every flip."""
-        current = self._current.get(sampled)
-        now, new = estimates.get(current) if current is not None else None, estimates[best]
-        if current is None or current == best or not best.speculates or now is None or new is None:
+        """``best``, or ``baseline`` (no speculation) when drafting would not pay for the MTP
+        catch-up it needs first (the prompts of requests just admitted, the tokens of
+        autoregressive steps): the time it saves against autoregressive decoding within
+        ``SWITCH_HORIZON`` steps must exceed the catch-up. A batch growing through its prefill
+        or shrinking as requests finish, whose best arm flips between buckets, would otherwise
+        pay a catch-up at every flip; short requests at a batch where drafting hardly wins
+        would pay one per request."""
+        new, base = estimates[best], estimates.get(baseline)
+        if not best.speculates or catch_up <= 0 or new is None or base is None:
             return best
-        saved = SWITCH_HORIZON * new.step * (now.per_token / new.per_token - 1)  # same tokens, less time
-        return best if saved > catch_up else current
+        saved = SWITCH_HORIZON * new.step * (base.per_token / new.per_token - 1)  # same tokens, less time
+        return best if saved > catch_up else baseline
+
+    def _worth_measuring(
+        self, target: int, sampled: bool, arm: TreeBudget, est: _Estimate, baseline: TreeBudget,
+        chosen_cost: float,
+    ) -> bool:
+        """Whether an arm only extrapolated to this bucket should be measured here soon: not if
+        ``baseline`` (no speculation) was measured cheaper at a smaller batch (a verify step's
+        cost grows with the batch, an autoregressive step's hardly does, so it loses here too);
+        yes if it was extrapolated from larger batches (its step is cheaper here) or comes
+        within 10% of the chosen arm."""
+        if arm.speculates:
+            for (b, s) in self._buckets:
+                if s == sampled and b < target:
+                    mine, base = self.per_token(b, s, arm), self.per_token(b, s, baseline)
+                    if mine is not None and base is not None and base < mine:
+                        return False
+        return est.source > target or est.per_token <= 1.1 * chosen_cost
 
     def _explore(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
         self._run = (arm, RUN - 1)
@@ -236,5 +257,4 @@ class MeasuredArms:
 
     def _ran(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
         bucket.last_run[arm] = self._calls
-        self._current[self._kind] = arm
         return arm
