@@ -94,7 +94,9 @@ class MeasuredArms:
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._calls = 0
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
-        self._row_cost: dict[bool, float] = {}  # sampled -> seconds to catch up one row (EWMA)
+        # sampled -> EWMAs of (extra seconds, rows) of catch-up steps: their ratio is the
+        # cost of catching up one row.
+        self._row_cost: dict[bool, tuple[float, float]] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket(self._calls))
@@ -125,13 +127,17 @@ class MeasuredArms:
         if lag_rows <= 0:
             return
         est = self.estimate(batch_size.bit_length(), sampled, arm)
-        per_row = max(seconds - (est.step if est is not None else 0.0), 0.0) / lag_rows
-        old = self._row_cost.get(sampled)
-        self._row_cost[sampled] = per_row if old is None else old + (per_row - old) * 0.3
+        extra = max(seconds - (est.step if est is not None else 0.0), 0.0)
+        # Ratio of running sums (weighted by rows): a catch-up of a few rows measures its extra
+        # time mostly as noise and must not set the cost of catching up thousands.
+        old_extra, old_rows = self._row_cost.get(sampled, (extra, float(lag_rows)))
+        self._row_cost[sampled] = (old_extra + (extra - old_extra) * 0.3,
+                                   old_rows + (lag_rows - old_rows) * 0.3)  # fmt: skip
 
     def catch_up_seconds(self, sampled: bool, lag_rows: int) -> float:
         """What catching the MTP modules up over ``lag_rows`` rows costs (0 until measured)."""
-        return self._row_cost.get(sampled, 0.0) * lag_rows
+        extra, rows = self._row_cost.get(sampled, (0.0, 1.0))
+        return extra / max(rows, 1e-9) * lag_rows
 
     def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
         """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
