@@ -172,7 +172,10 @@ class MeasuredArms:
             other = near[1].costs[arm]
             if other.rows != cost.rows:
                 slope = max((other.seconds - cost.seconds) / (other.rows - cost.rows), 0.0)
-                step = max(cost.seconds + slope * (rows - cost.rows), cost.seconds if rows > cost.rows else 0.0)
+                # Never below the nearest bucket's time (larger batch) or its time scaled by
+                # the batch (smaller batch: a line with a negative fixed part).
+                floor = cost.seconds * min(rows / cost.rows, 1.0)
+                step = max(cost.seconds + slope * (rows - cost.rows), floor)
         per_token = step / (rows * self._tokens_per_seq(sampled, arm, cost))
         return _Estimate(step, per_token, found[0][2] == bucket, found[0][2])
 
