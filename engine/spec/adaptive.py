@@ -13,7 +13,7 @@ The arms:
 * **host-driven path** (CPU): a chain, and the tree the simulator's planner
   (``engine.simulator.SpeculationPlanner``) finds best at batch 1 for the acceptance statistics
   measured so far (a conservative prior until enough verify steps were seen) and a latency
-  model of target and MTP forwards calibrated on this device at start-up
+  model of target and MTP forwards calibrated on this device before the first plan
   (``calibrate_latency``; on CUDA the forwards are timed as CUDA-graph replays). It is re-planned
   as the statistics grow; a new tree is a new arm, measured afresh.
 
@@ -50,7 +50,9 @@ class AdaptiveController:
     ) -> None:
         self.max_budget = max_budget
         self.chain = chain
-        self.latency = calibrate_latency(engine, max_budget)
+        # Calibrated on the first host-path plan: the graphed path never plans, and on a GPU
+        # the calibration captures dozens of graphs.
+        self.latency: LatencyModel | None = None
         self.arms = MeasuredArms(explore_every)
         self._tree: TreeBudget | None = None  # the host path's planned tree
         self._planned_at_steps = 0
@@ -91,6 +93,8 @@ class AdaptiveController:
         steps = engine.acceptance.num_steps
         next_plan = min(2 * self._planned_at_steps, self._planned_at_steps + REPLAN_MAX_RECORDS)
         if self._tree is None or steps >= max(next_plan, MIN_STEPS_FOR_LIVE_STATS):
+            if self.latency is None:
+                self.latency = calibrate_latency(engine, self.max_budget)
             planner = SpeculationPlanner(
                 self._stats(engine),
                 self.latency,

@@ -179,13 +179,6 @@ class MeasuredArms:
         per_token = step / (rows * self._tokens_per_seq(sampled, arm, cost))
         return _Estimate(step, per_token, found[0][2] == bucket, found[0][2])
 
-    def best(self, bucket: int, sampled: bool, arms: list[TreeBudget]) -> TreeBudget | None:
-        """The cheapest arm per token once every arm of the bucket is measured, else None."""
-        costs = [(self.per_token(bucket, sampled, arm), i) for i, arm in enumerate(arms)]
-        if any(c is None for c, _ in costs):
-            return None
-        return arms[min(costs)[1]]  # type: ignore[type-var]
-
     # ------------------------------------------------------------------ choice
     def choose(
         self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int = 0
