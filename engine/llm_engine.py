@@ -404,7 +404,8 @@ class LLMEngine:
             return self.budget
         assert self.adaptive is not None
         sampled = not all(seq.sampling.greedy for seq in seqs)
-        return self.adaptive.choose(self, len(seqs), sampled, lag_rows)
+        left = sum(s.sampling.max_tokens - len(s.tokens) + s.output_start for s in seqs) / len(seqs)
+        return self.adaptive.choose(self, len(seqs), sampled, lag_rows, left)
 
     def _mtp_lag(self, seqs: list[Sequence]) -> int:
         """Rows the MTP modules are behind beyond a steady speculative step's catch-up rows

@@ -74,16 +74,18 @@ class AdaptiveController:
         self.arms.observe_catch_up(batch_size, sampled, budget, seconds, lag_rows)
 
     def choose(
-        self, engine: LLMEngine, batch_size: int, sampled: bool = False, lag_rows: int = 0
+        self, engine: LLMEngine, batch_size: int, sampled: bool = False, lag_rows: int = 0,
+        tokens_left: float | None = None,
     ) -> TreeBudget:
-        """The budget for this step; ``lag_rows``: rows the MTP modules are behind."""
+        """The budget for this step; ``lag_rows``: rows the MTP modules are behind;
+        ``tokens_left``: tokens each sequence may still generate, on average."""
         arms = self._graphed_arms.get(sampled)
         if arms is None:
             arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
         if not arms:  # host-driven path
             tree = self._planned_tree(engine)
             arms = [self.chain] if tree == self.chain else [self.chain, tree]
-        return self.arms.choose(batch_size, sampled, [NO_SPEC, *arms], lag_rows)
+        return self.arms.choose(batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left)
 
     def _planned_tree(self, engine: LLMEngine) -> TreeBudget:
         """The planner's best tree at batch 1, re-planned at 32, 64, 128, ... verified

@@ -15,17 +15,18 @@ autoregressive decoding without re-measuring every draft budget at every size.
 
 The other arms are re-run now and then, each at a cadence set by what a run of it costs: a run
 costs at most ``EXPLORE_SHARE`` of the time the chosen arm runs between two runs
-(``EXPLORE_SHARE_NEW`` while the arm has not run in this bucket). An arm only extrapolated to
-this bucket is measured within ``explore_every`` steps when it may win here
-(``_worth_measuring``).
+(``EXPLORE_SHARE_NEW`` while the arm has not run in this bucket), counted in the bucket's own
+steps. An arm only extrapolated to this bucket is measured within ``explore_every`` steps when
+it may win here (``_worth_measuring``) and would pay its catch-up.
 
 A drafting step after autoregressive steps (or for requests just admitted) first catches the MTP
 modules up over every row they are behind. Its cost is measured per row and counted, for the
 rows behind now, in the cost of an exploring run and of drafting: a drafting arm behind by some
-rows is chosen only if it wins its catch-up back within ``SWITCH_HORIZON`` steps. So a large batch that
-decodes autoregressively (where the catch-up of hundreds of sequences costs many steps) stops
-paying for probes of drafting that could not pay off, while a small batch behind by a few rows
-switches back at once.
+rows is chosen only if what it saves over the tokens the batch may still generate (its
+requests' max_tokens left, at most ``MAX_HORIZON_TOKENS`` each) exceeds its catch-up. So a
+large batch of short requests that decodes autoregressively (where the catch-up of hundreds of
+prompts costs many steps) does not pay for probes of drafting that could not pay off, while
+long requests, or a small batch behind by a few rows, switch at once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ RUN = 3  # steps per exploration run: after AR steps the first one catches the M
 EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
+MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
 
 
 @dataclass
@@ -70,9 +72,12 @@ class StepCost:
 
 @dataclass
 class _Bucket:
-    created: int  # the step the bucket was first seen
+    # Steps chosen in this bucket: exploration waits count the bucket's own steps, so a bucket
+    # the batch only passes through (growing through its prefill, shrinking as requests end)
+    # does not find every arm overdue each time it comes back.
+    steps: int = 0
     costs: dict[TreeBudget, StepCost] = field(default_factory=dict)
-    last_run: dict[TreeBudget, int] = field(default_factory=dict)  # arm -> step it last ran
+    last_run: dict[TreeBudget, int] = field(default_factory=dict)  # arm -> bucket step it last ran
 
 
 @dataclass
@@ -92,14 +97,13 @@ class MeasuredArms:
         # Tokens per sequence per step of each speculating arm, pooled over buckets:
         # (sampled, arm) -> (EWMA, steps).
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
-        self._calls = 0
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
         # sampled -> EWMAs of (extra seconds, rows) of catch-up steps: their ratio is the
         # cost of catching up one row.
         self._row_cost: dict[bool, tuple[float, float]] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
-        return self._buckets.setdefault((bucket, sampled), _Bucket(self._calls))
+        return self._buckets.setdefault((bucket, sampled), _Bucket())
 
     # ------------------------------------------------------------------ measurements
     def observe(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, tokens: int) -> None:
@@ -181,13 +185,16 @@ class MeasuredArms:
 
     # ------------------------------------------------------------------ choice
     def choose(
-        self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int = 0
+        self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int = 0,
+        tokens_left: float | None = None,
     ) -> TreeBudget:
         """The arm for this step (``arms`` in a fixed order, no speculation first); ``lag_rows``:
-        rows the MTP modules are behind (what a drafting step would first catch up)."""
-        self._calls += 1
+        rows the MTP modules are behind (what a drafting step would first catch up);
+        ``tokens_left``: tokens each sequence may still generate, on average (its max_tokens
+        left; None: unknown), the horizon within which a switch to drafting must pay."""
         target = batch_size.bit_length()
         bucket = self._bucket(target, sampled)
+        bucket.steps += 1
         if self._run is not None and self._run[0] in arms:  # finish an exploring run
             arm, left = self._run
             self._run = (arm, left - 1) if left > 1 else None
@@ -197,7 +204,16 @@ class MeasuredArms:
         if not known:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(sampled, lag_rows)
-        chosen = self._pays_its_catch_up(arms[min(known)[1]], estimates, arms[0], catch_up)
+        base = estimates[arms[0]]
+
+        def pays(arm: TreeBudget) -> bool:
+            est = estimates[arm]
+            if not arm.speculates or catch_up <= 0 or est is None or base is None:
+                return True
+            return self._saving(est, base, batch_size, sampled, arm, tokens_left) > catch_up
+
+        best = arms[min(known)[1]]
+        chosen = best if pays(best) else arms[0]
         step = estimates[chosen].step  # type: ignore[union-attr]
         chosen_cost = estimates[chosen].per_token  # type: ignore[union-attr]
         overdue = []
@@ -206,35 +222,40 @@ class MeasuredArms:
                 continue
             if est is None:  # never measured at any batch size: learn it now
                 interval = 1.0
-            elif not est.measured and self._worth_measuring(target, sampled, arm, est, arms[0], chosen_cost):
+            elif (not est.measured
+                  and self._worth_measuring(target, sampled, arm, est, arms[0], chosen_cost)
+                  and (est.source > target or pays(arm))):
+                # Soon; extrapolated from smaller batches (an optimistic line), only if it
+                # would pay its catch-up. From larger ones its step is cheaper here than the
+                # estimate, and so is its catch-up.
                 interval = float(self.explore_every)
-            else:
+            else:  # what a run costs, in steps of the chosen arm, at the share it may take
                 run_cost = RUN * est.step + (catch_up if arm.speculates else 0.0)
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
                 interval = max(float(self.explore_every), run_cost / (share * max(step, 1e-9)))
-            waited = self._calls - bucket.last_run.get(arm, bucket.created)
+            waited = bucket.steps - bucket.last_run.get(arm, 0)
             if waited >= interval:
                 overdue.append((waited / interval, arm))
         if overdue:
             return self._explore(bucket, max(overdue, key=lambda o: o[0])[1])
         return self._ran(bucket, chosen)
 
-    def _pays_its_catch_up(
-        self, best: TreeBudget, estimates: dict[TreeBudget, _Estimate | None], baseline: TreeBudget,
-        catch_up: float,
-    ) -> TreeBudget:
-        """``best``, or ``baseline`` (no speculation) when drafting would not pay for the MTP
-        catch-up it needs first (the prompts of requests just admitted, the tokens of
-        autoregressive steps): the time it saves against autoregressive decoding within
-        ``SWITCH_HORIZON`` steps must exceed the catch-up. A batch growing through its prefill
-        or shrinking as requests finish, whose best arm flips between buckets, would otherwise
-        pay a catch-up at every flip; short requests at a batch where drafting hardly wins
-        would pay one per request."""
-        new, base = estimates[best], estimates.get(baseline)
-        if not best.speculates or catch_up <= 0 or new is None or base is None:
-            return best
-        saved = SWITCH_HORIZON * new.step * (base.per_token / new.per_token - 1)  # same tokens, less time
-        return best if saved > catch_up else baseline
+    def _saving(
+        self, new: _Estimate, base: _Estimate, batch_size: int, sampled: bool, arm: TreeBudget,
+        tokens_left: float | None,
+    ) -> float:
+        """Seconds drafting with ``new`` saves against autoregressive decoding (``base``) over
+        the horizon: the tokens the batch may still generate, at most ``MAX_HORIZON_TOKENS``
+        per sequence (a request usually stops before its max_tokens), or ``SWITCH_HORIZON``
+        steps when that is unknown. A switch to drafting must save more than the MTP catch-up
+        it needs first (the prompts of requests just admitted, the tokens of autoregressive
+        steps): short requests at a batch where drafting hardly wins would pay one per
+        request; a batch growing through its prefill or shrinking as requests finish would pay
+        one at every flip of its best arm."""
+        if tokens_left is None:
+            tokens_left = SWITCH_HORIZON * self._yield.get((sampled, arm), (1.0, 0))[0]
+        tokens = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size
+        return tokens * (base.per_token - new.per_token)
 
     def _worth_measuring(
         self, target: int, sampled: bool, arm: TreeBudget, est: _Estimate, baseline: TreeBudget,
@@ -258,5 +279,5 @@ class MeasuredArms:
         return self._ran(bucket, arm)
 
     def _ran(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
-        bucket.last_run[arm] = self._calls
+        bucket.last_run[arm] = bucket.steps
         return arm

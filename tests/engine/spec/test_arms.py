@@ -108,8 +108,8 @@ def test_a_batch_sweep_stays_within_a_few_percent_of_the_best_arm_at_every_size(
         best = min(s / (batch * t) for s, t in (_h200_like(a, batch) for a in ARMS))
         seconds = tokens = 0.0
         lag = 64 * batch  # the prompts
-        for _ in range(300):
-            arm = arms.choose(batch, False, ARMS, lag)
+        for i in range(300):
+            arm = arms.choose(batch, False, ARMS, lag, tokens_left=300 - i)
             step, per_seq = _h200_like(arm, batch)
             if arm.speculates and lag:
                 step += 4e-6 * lag
@@ -139,3 +139,48 @@ def test_drafting_must_win_back_its_catch_up(lag: int, drafts: bool) -> None:
     for _ in range(3):
         arms.observe(64, False, CHAIN, 0.005, 200)  # 0.025 ms per token: 6x cheaper
     assert arms.choose(64, False, ARMS, 3000) == CHAIN
+
+
+@pytest.mark.parametrize(("tokens_left", "drafts"), [(16, False), (200, True)])
+def test_the_catch_up_is_weighed_against_the_tokens_the_requests_have_left(
+    tokens_left: int, drafts: bool
+) -> None:
+    """The same catch-up of 6400 rows (100 ms) against a chain saving 0.026 ms per token at
+    batch 64: 16 tokens left per request save 27 ms (not worth it), 200 tokens save 333 ms."""
+    arms = MeasuredArms(explore_every=10_000)
+    for _ in range(3):
+        arms.observe(64, False, NO_SPEC, 0.010, 64)  # 0.156 ms per token
+        arms.observe(64, False, CHAIN, 0.026, 200)  # 0.130 ms per token
+    arms.observe_catch_up(64, False, CHAIN, 0.026 + 0.010, 640)  # 10 ms for 640 rows
+    chosen = arms.choose(64, False, [NO_SPEC, CHAIN], 6400, tokens_left=tokens_left)
+    assert chosen == (CHAIN if drafts else NO_SPEC)
+
+
+def test_a_bucket_the_batch_comes_back_to_does_not_find_every_arm_overdue() -> None:
+    """Exploration waits count the bucket's own steps: a batch that passes through bucket 4
+    (batch 8) on its way to 64, over and over, does not re-run the other arms there each time
+    (every run catching up the MTP modules over hundreds of rows)."""
+    arms = MeasuredArms()
+    costs = {NO_SPEC: (0.010, 8), CHAIN: (0.020, 16), TREE: (0.040, 24)}  # AR is cheapest
+    _drive(arms, 8, costs, 60)
+    _drive(arms, 64, {NO_SPEC: (0.012, 64), CHAIN: (0.08, 128), TREE: (0.2, 192)}, 60)
+    explored = 0
+    for _ in range(5):  # five more passes: one step at batch 8, then 200 at batch 64
+        explored += sum(a.speculates for a in _drive(arms, 8, costs, 1))
+        _drive(arms, 64, {NO_SPEC: (0.012, 64), CHAIN: (0.08, 128), TREE: (0.2, 192)}, 200)
+    assert explored <= 1
+
+
+def test_an_arm_measured_only_at_a_larger_batch_is_measured_soon_at_a_small_one() -> None:
+    """As in the benchmark: the check batch (16) runs first, where autoregressive decoding wins;
+    at batch 1, behind by its prompt, the drafting arms (whose steps are cheaper there than at
+    16) are still measured within ``explore_every`` steps, and the tree then carries the batch."""
+    arms = MeasuredArms()
+    _drive(arms, 16, {NO_SPEC: (0.018, 16), CHAIN: (0.06, 48), TREE: (0.15, 72)}, 100)
+    arms.observe_catch_up(16, False, TREE, 0.15 + 0.1, 1024)  # 0.1 ms per row
+    chosen = [arms.choose(1, False, ARMS, lag_rows=64, tokens_left=64) for _ in range(24)]
+    assert any(a.speculates for a in chosen[:17]) and TREE in chosen, chosen
+    for _ in range(5):
+        arms.observe(1, False, TREE, 0.012, 5)
+        arms.observe(1, False, NO_SPEC, 0.010, 1)
+    assert [arms.choose(1, False, ARMS, tokens_left=64) for _ in range(10)].count(TREE) >= 8
