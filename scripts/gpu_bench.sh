@@ -13,7 +13,8 @@
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
 # 180), DEADLINE_S (default 540: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
-# BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep),
+# BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep), VALIDATE_PROMPTS
+# (default 8: prompts of the simulator validation),
 # MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +55,7 @@ LEFT=$(( END_S - ($(date +%s) - START) ))
 if [ "$LEFT" -gt 40 ]; then
     echo "== simulator validation (${LEFT} s left)"
     timeout "$LEFT" "$PY" scripts/validate_simulator.py --model "$MODEL" --device cuda \
-        --dtype bfloat16 --prompts 4 --max-tokens 64 --out "$OUT/simulator-validation-h200.json" \
+        --dtype bfloat16 --prompts "${VALIDATE_PROMPTS:-8}" --max-tokens 64 --out "$OUT/simulator-validation-h200.json" \
         || echo "== simulator validation exited with status $?"
 fi
 echo "== done in $(( $(date +%s) - START )) s"
