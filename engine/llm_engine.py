@@ -151,6 +151,7 @@ class LLMEngine:
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
+        self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
         # Tokens this step's decode produced before max_tokens / stop truncation: what the
         # chosen speculation (or none) delivers, the measure the adaptive controller compares.
         self._step_tokens = 0
@@ -371,6 +372,7 @@ class LLMEngine:
             self._prefill(plan.prefill, outputs)
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
         self._step_caught_up = False
+        self._catch_up_s = None
         self._step_tokens = 0
         if decode:
             lag = self._mtp_lag(decode) if self.adaptive is not None else 0
@@ -393,7 +395,12 @@ class LLMEngine:
                     torch.cuda.synchronize(self.device)
                 seconds = time.perf_counter() - start
                 sampled = not all(s.sampling.greedy for s in decode)
-                if self._step_caught_up:  # not a steady step: what a switch to ``budget`` costs
+                if self._catch_up_s is not None:  # timed alone: the rest is a steady step
+                    self.adaptive.arms.observe_catch_up_seconds(sampled, self._catch_up_s, lag)
+                    self.adaptive.observe(
+                        len(decode), budget, seconds - self._catch_up_s, self._step_tokens, sampled
+                    )
+                elif self._step_caught_up:  # not a steady step: what a switch to ``budget`` costs
                     self.adaptive.observe_catch_up(len(decode), budget, seconds, lag, sampled)
                 else:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
@@ -554,7 +561,12 @@ class LLMEngine:
         if lagging and self.drafter is not None:
             # MTP modules behind (autoregressive steps in between, a host step that stopped
             # early): catch them up eagerly, then the graphed step can take these sequences.
+            start = time.perf_counter()
             self.drafter.catch_up(lagging)
+            if self.adaptive is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self._catch_up_s = (self._catch_up_s or 0.0) + time.perf_counter() - start
             self._step_caught_up = True
             ready = [ok or fast.eligible(s) for s, ok in zip(seqs, ready, strict=True)]
         graphed = [s for s, ok in zip(seqs, ready, strict=True) if ok][: fast.max_batch]

@@ -41,6 +41,8 @@ EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measur
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
+CATCH_UP_STALL = 3.0  # a catch-up counts at most this many times its estimate
+MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
 
 
 @dataclass
@@ -127,15 +129,22 @@ class MeasuredArms:
     ) -> None:
         """A first step of ``arm`` that caught the MTP modules up over ``lag_rows`` rows (the
         prompts of new requests, the tokens of autoregressive steps): its time beyond a steady
-        step of ``arm`` gives the cost of catching up one row."""
+        step of ``arm`` gives the cost of catching up (nothing while ``arm`` has no steady
+        step measured anywhere: its first steps also carry one-off costs)."""
+        est = self.estimate(batch_size.bit_length(), sampled, arm)
+        if est is not None:
+            self.observe_catch_up_seconds(sampled, max(seconds - est.step, 0.0), lag_rows)
+
+    def observe_catch_up_seconds(self, sampled: bool, seconds: float, lag_rows: int) -> None:
+        """A catch-up over ``lag_rows`` rows, timed alone (the graphed path does)."""
         if lag_rows <= 0:
             return
-        est = self.estimate(batch_size.bit_length(), sampled, arm)
-        extra = max(seconds - (est.step if est is not None else 0.0), 0.0)
+        if sampled in self._row_cost:  # a stall counts at most CATCH_UP_STALL x the estimate
+            seconds = min(seconds, CATCH_UP_STALL * self.catch_up_seconds(sampled, lag_rows))
         # Ratio of running sums (weighted by rows): a catch-up of a few rows measures its extra
         # time mostly as noise and must not set the cost of catching up thousands.
-        old_extra, old_rows = self._row_cost.get(sampled, (extra, float(lag_rows)))
-        self._row_cost[sampled] = (old_extra + (extra - old_extra) * 0.3,
+        old_extra, old_rows = self._row_cost.get(sampled, (seconds, float(lag_rows)))
+        self._row_cost[sampled] = (old_extra + (seconds - old_extra) * 0.3,
                                    old_rows + (lag_rows - old_rows) * 0.3)  # fmt: skip
 
     def catch_up_seconds(self, sampled: bool, lag_rows: int) -> float:
@@ -230,9 +239,12 @@ class MeasuredArms:
                 # estimate, and so is its catch-up.
                 interval = float(self.explore_every)
             else:  # what a run costs, in steps of the chosen arm, at the share it may take
-                run_cost = RUN * est.step + (catch_up if arm.speculates else 0.0)
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
-                interval = max(float(self.explore_every), run_cost / (share * max(step, 1e-9)))
+                steady = max(float(self.explore_every), RUN * est.step / (share * max(step, 1e-9)))
+                extra = (catch_up if arm.speculates else 0.0) / (share * max(step, 1e-9))
+                # The catch-up defers a run by at most MAX_EXPLORE_INTERVAL steps: an estimate
+                # of it that forbade re-measuring (one timed during a stall) would stand forever.
+                interval = max(steady, min(steady + extra, float(MAX_EXPLORE_INTERVAL)))
             waited = bucket.steps - bucket.last_run.get(arm, 0)
             if waited >= interval:
                 overdue.append((waited / interval, arm))
