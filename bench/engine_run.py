@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ class BatchRun:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    steps_per_arm: dict[str, int] = field(default_factory=dict)  # adaptive: decode steps per budget
 
     @property
     def output_tokens(self) -> int:
@@ -54,6 +56,7 @@ def run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParams
     first: dict[str, float] = {}
     final: dict[str, object] = {}
     run = BatchRun(0.0, [[] for _ in prompts], [0.0] * len(prompts), [0.0] * len(prompts))
+    arms_before = Counter(eng.adaptive.steps_per_arm) if eng.adaptive is not None else Counter()
     synchronize(eng.device)
     t0 = time.perf_counter()
     for rid, prompt in zip(ids, prompts, strict=True):
@@ -85,6 +88,8 @@ def run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParams
                 run.tpot_s[i] = (now - first[out.request_id]) / (n - 1) if n > 1 else 0.0
                 _add_stats(run, out.stats)
     run.wall_s = time.perf_counter() - t0
+    if eng.adaptive is not None:
+        run.steps_per_arm = dict(eng.adaptive.steps_per_arm - arms_before)
     return run
 
 

@@ -247,4 +247,5 @@ def _one_line(rec: dict[str, Any]) -> str:
             f"tok/s={f(rec['tokens_per_s'], '.1f')} tpot={f(rec['tpot_ms'], '.1f')}ms "
             f"acc_len={f(rec['mean_accepted_length'], '.2f')} "
             f"speedup={f(rec['speedup_vs_ar'], '.2f')} rollback={f(rec['rollback_ms_per_step'], '.3f')}ms"
-            + (f" step/floor={rec['step_over_floor']:.1f}" if rec.get("step_over_floor") else ""))
+            + (f" step/floor={rec['step_over_floor']:.1f}" if rec.get("step_over_floor") else "")
+            + (f" arms={rec['steps_per_arm']}" if rec.get("steps_per_arm") else ""))

@@ -62,6 +62,19 @@ def acceptance_table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
+    """What adaptive speculation chose: its decode steps per budget, at each point."""
+    rows = [r for r in runs if r.get("steps_per_arm")]
+    if not rows:
+        return []
+    lines = ["Adaptive speculation: decode steps per chosen budget (all timed repeats):", "",
+             "| T | batch | steps per budget |", "|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["temperature"], r["batch_size"])):
+        arms = ", ".join(f"{label} {n}" for label, n in sorted(r["steps_per_arm"].items()))
+        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} |")
+    return lines
+
+
 def serve_table(serve: dict[str, Any]) -> list[str]:
     st = serve["settings"]
     lines = [f"Load: {st.get('load')}, {st.get('duration_s')} s per setting, max_tokens "
@@ -119,6 +132,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
             out += [f"Cost at ${s.get('price_per_hour')} per device-hour.", ""]
         out += offline_table(runs, with_cost, any(r["step_over_floor"] for r in runs))
         out += [""] + acceptance_table(runs)
+        adaptive = adaptive_table(runs)
+        if adaptive:
+            out += [""] + adaptive
         skipped = sorted({(r["label"], r["skipped"]) for r in runs if r["skipped"]})
         if skipped:
             out += ["", "Points not run:", ""] + [f"- {label}: {why}" for label, why in skipped]

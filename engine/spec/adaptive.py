@@ -24,6 +24,7 @@ to draft.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,7 @@ class AdaptiveController:
         self._tree: TreeBudget | None = None  # the host path's planned tree
         self._planned_at_steps = 0
         self._graphed_arms: dict[bool, list[TreeBudget]] = {}  # sampled -> captured budgets
+        self.steps_per_arm: Counter[str] = Counter()  # decode steps per chosen budget's label
 
     def observe(
         self, batch_size: int, budget: TreeBudget, seconds: float, tokens: int, sampled: bool = False
@@ -85,7 +87,9 @@ class AdaptiveController:
         if not arms:  # host-driven path
             tree = self._planned_tree(engine)
             arms = [self.chain] if tree == self.chain else [self.chain, tree]
-        return self.arms.choose(batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left)
+        chosen = self.arms.choose(batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left)
+        self.steps_per_arm[budget_label(chosen)] += 1
+        return chosen
 
     def _planned_tree(self, engine: LLMEngine) -> TreeBudget:
         """The planner's best tree at batch 1, re-planned at 32, 64, 128, ... verified
@@ -120,6 +124,15 @@ class AdaptiveController:
             return AcceptanceStats.from_dict(snapshot)
         except ValueError:
             return PRIOR
+
+
+def budget_label(budget: TreeBudget) -> str:
+    """``none``, ``chain-D`` or ``tree-KxD-N`` (as the benchmark's --tree-budgets)."""
+    if not budget.speculates:
+        return "none"
+    if budget.topk == 1:
+        return f"chain-{budget.depth}"
+    return f"tree-{budget.topk}x{budget.depth}-{budget.num_draft_tokens}"
 
 
 def _grid(device: torch.device, max_batch: int, max_tokens: int) -> list[tuple[int, int]]:

@@ -45,6 +45,12 @@ def test_json_has_every_field(offline_result: tuple[int, dict, Path]) -> None:
     spec = [r for r in doc["runs"] if r["mode"] in ("chain", "tree") and not r["skipped"]]
     assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in spec)
     assert all(r["rollback_ms_per_step"] is not None and r["cost_per_million_tokens"] > 0 for r in spec)
+    # Adaptive records say which budgets its decode steps took; a decode step per token at most.
+    adaptive = [r for r in doc["runs"] if r["mode"] == "adaptive" and not r["skipped"]]
+    assert adaptive and all(r["steps_per_arm"] for r in adaptive)
+    assert all(0 < sum(r["steps_per_arm"].values()) <= 6 * r["repeats"] for r in adaptive)
+    labels = {label for r in adaptive for label in r["steps_per_arm"]}
+    assert all(label == "none" or label.startswith(("chain-", "tree-")) for label in labels), labels
 
 
 def test_modes_agree_on_greedy_tokens(offline_result: tuple[int, dict, Path]) -> None:
@@ -70,6 +76,7 @@ def test_report_from_json(offline_result: tuple[int, dict, Path]) -> None:
     assert main(["report", str(path)]) == 0
     md = path.with_suffix(".md").read_text()
     assert "| T | batch | mode |" in md and "tree-3" in md
+    assert "decode steps per chosen budget" in md
     assert (path.parent / f"{path.stem}-speedup.png").stat().st_size > 1000
     assert (path.parent / f"{path.stem}-acceptance.png").stat().st_size > 1000
 
