@@ -396,7 +396,9 @@ class LLMEngine:
                 seconds = time.perf_counter() - start
                 sampled = not all(s.sampling.greedy for s in decode)
                 if self._catch_up_s is not None:  # timed alone: the rest is a steady step
-                    self.adaptive.arms.observe_catch_up_seconds(sampled, self._catch_up_s, lag)
+                    self.adaptive.observe_catch_up(
+                        len(decode), budget, self._catch_up_s, lag, sampled, timed_alone=True
+                    )
                     self.adaptive.observe(
                         len(decode), budget, seconds - self._catch_up_s, self._step_tokens, sampled
                     )

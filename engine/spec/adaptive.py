@@ -69,11 +69,13 @@ class AdaptiveController:
         self.arms.observe(batch_size, sampled, budget, seconds, tokens)
 
     def observe_catch_up(
-        self, batch_size: int, budget: TreeBudget, seconds: float, lag_rows: int, sampled: bool = False
+        self, batch_size: int, budget: TreeBudget, seconds: float, lag_rows: int,
+        sampled: bool = False, timed_alone: bool = False,
     ) -> None:
         """A speculative step that first caught the MTP modules up over ``lag_rows`` rows (after
-        AR steps, a prompt, or a switch of budget): not a steady cost, but what a switch costs."""
-        self.arms.observe_catch_up(batch_size, sampled, budget, seconds, lag_rows)
+        AR steps, a prompt, or a switch of budget): not a steady cost, but what a switch costs.
+        ``seconds``: the whole step, or the catch-up alone when ``timed_alone``."""
+        self.arms.observe_catch_up(batch_size, sampled, budget, seconds, lag_rows, timed_alone)
 
     def choose(
         self, engine: LLMEngine, batch_size: int, sampled: bool = False, lag_rows: int = 0,

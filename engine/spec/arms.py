@@ -31,6 +31,7 @@ long requests, or a small batch behind by a few rows, switch at once.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.spec.drafter import TreeBudget
@@ -41,7 +42,7 @@ EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measur
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
-CATCH_UP_STALL = 3.0  # a catch-up counts at most this many times its estimate
+CATCH_UP_WINDOW = 8  # catch-ups whose lower median cost per row is the estimate
 MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
 
 
@@ -100,9 +101,8 @@ class MeasuredArms:
         # (sampled, arm) -> (EWMA, steps).
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
-        # sampled -> EWMAs of (extra seconds, rows) of catch-up steps: their ratio is the
-        # cost of catching up one row.
-        self._row_cost: dict[bool, tuple[float, float]] = {}
+        # sampled -> the last costs per row of MTP catch-ups.
+        self._row_costs: dict[bool, deque[float]] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -125,32 +125,27 @@ class MeasuredArms:
             self._yield[(sampled, arm)] = (mean, n + 1)
 
     def observe_catch_up(
-        self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, lag_rows: int
+        self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, lag_rows: int,
+        timed_alone: bool = False,
     ) -> None:
         """A first step of ``arm`` that caught the MTP modules up over ``lag_rows`` rows (the
-        prompts of new requests, the tokens of autoregressive steps): its time beyond a steady
-        step of ``arm`` gives the cost of catching up (nothing while ``arm`` has no steady
-        step measured anywhere: its first steps also carry one-off costs)."""
+        prompts of new requests, the tokens of autoregressive steps). ``seconds``: the catch-up
+        alone (``timed_alone``, as the graphed path times it) or the whole step, whose time
+        beyond a steady step of ``arm`` is then the catch-up. Nothing is recorded while ``arm``
+        has no steady step measured anywhere: the first steps also compile kernels and upload
+        graphs (one such catch-up, taken at face value, once kept a GPU from drafting at all)."""
         est = self.estimate(batch_size.bit_length(), sampled, arm)
-        if est is not None:
-            self.observe_catch_up_seconds(sampled, max(seconds - est.step, 0.0), lag_rows)
-
-    def observe_catch_up_seconds(self, sampled: bool, seconds: float, lag_rows: int) -> None:
-        """A catch-up over ``lag_rows`` rows, timed alone (the graphed path does)."""
-        if lag_rows <= 0:
+        if est is None or lag_rows <= 0:
             return
-        if sampled in self._row_cost:  # a stall counts at most CATCH_UP_STALL x the estimate
-            seconds = min(seconds, CATCH_UP_STALL * self.catch_up_seconds(sampled, lag_rows))
-        # Ratio of running sums (weighted by rows): a catch-up of a few rows measures its extra
-        # time mostly as noise and must not set the cost of catching up thousands.
-        old_extra, old_rows = self._row_cost.get(sampled, (seconds, float(lag_rows)))
-        self._row_cost[sampled] = (old_extra + (seconds - old_extra) * 0.3,
-                                   old_rows + (lag_rows - old_rows) * 0.3)  # fmt: skip
+        extra = seconds if timed_alone else max(seconds - est.step, 0.0)
+        self._row_costs.setdefault(sampled, deque(maxlen=CATCH_UP_WINDOW)).append(extra / lag_rows)
 
     def catch_up_seconds(self, sampled: bool, lag_rows: int) -> float:
-        """What catching the MTP modules up over ``lag_rows`` rows costs (0 until measured)."""
-        extra, rows = self._row_cost.get(sampled, (0.0, 1.0))
-        return extra / max(rows, 1e-9) * lag_rows
+        """What catching the MTP modules up over ``lag_rows`` rows costs (0 until measured): the
+        lower median of the last ``CATCH_UP_WINDOW`` costs per row, robust to a stall (a
+        garbage collection, a kernel compiled for a new shape) and to a step timed short."""
+        costs = sorted(self._row_costs.get(sampled, ()))
+        return costs[(len(costs) - 1) // 2] * lag_rows if costs else 0.0
 
     def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
         """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
