@@ -375,8 +375,7 @@ class LLMEngine:
         self._catch_up_s = None
         self._step_tokens = 0
         if decode:
-            lag = self._mtp_lag(decode) if self.adaptive is not None else 0
-            budget = self._choose_budget(decode, lag)
+            budget, lag, sampled = self._choose_budget(decode)
             if self.adaptive is not None and plan.prefill and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # time the decode work alone
             start = time.perf_counter()
@@ -394,7 +393,6 @@ class LLMEngine:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 seconds = time.perf_counter() - start
-                sampled = not all(s.sampling.greedy for s in decode)
                 if self._catch_up_s is not None:  # timed alone: the rest is a steady step
                     self.adaptive.observe_catch_up(
                         len(decode), budget, self._catch_up_s, lag, sampled, timed_alone=True
@@ -408,21 +406,29 @@ class LLMEngine:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
         return outputs
 
-    def _choose_budget(self, seqs: list[Sequence], lag_rows: int) -> TreeBudget:
-        if self.spec.method != "adaptive":
-            return self.budget
-        assert self.adaptive is not None
-        sampled = not all(seq.sampling.greedy for seq in seqs)
-        left = sum(s.sampling.max_tokens - len(s.tokens) + s.output_start for s in seqs) / len(seqs)
-        return self.adaptive.choose(self, len(seqs), sampled, lag_rows, left)
+    def _choose_budget(self, seqs: list[Sequence]) -> tuple[TreeBudget, int, bool]:
+        """This step's budget, the rows the MTP modules are behind, whether any sequence samples
+        (the last two only for adaptive speculation)."""
+        if self.adaptive is None:
+            return self.budget, 0, False
+        lag, left, sampled = self._decode_summary(seqs)
+        return self.adaptive.choose(self, len(seqs), sampled, lag, left), lag, sampled
 
-    def _mtp_lag(self, seqs: list[Sequence]) -> int:
-        """Rows the MTP modules are behind beyond a steady speculative step's catch-up rows
-        (the prompts of new requests, the tokens of autoregressive steps)."""
-        if self.drafter is None:
-            return 0
+    def _decode_summary(self, seqs: list[Sequence]) -> tuple[int, float, bool]:
+        """What the adaptive choice needs, in one pass over the batch (per-step host work grows
+        with the batch): rows the MTP modules are behind beyond a steady speculative step's
+        catch-up (the prompts of new requests, the tokens of autoregressive steps), tokens each
+        sequence may still generate on average, and whether any sequence samples."""
         steady = self.budget.depth + 3
-        return sum(max(len(s.tokens) - 1 - s.mtp_committed[0] - steady, 0) for s in seqs)
+        lag = left = 0
+        greedy = True
+        for s in seqs:
+            behind = len(s.tokens) - 1 - s.mtp_committed[0] - steady
+            if behind > 0:
+                lag += behind
+            left += s.sampling.max_tokens - len(s.tokens) + s.output_start
+            greedy = greedy and s.sampling.greedy
+        return lag, left / len(seqs), not greedy
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, work: list[tuple[Sequence, int]], outputs: list[RequestOutput]) -> None:
@@ -716,7 +722,7 @@ class LLMEngine:
             emitted.append(token)
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 reason = "stop"
-            elif len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            elif len(seq.tokens) - seq.output_start >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"
             if reason:
                 break
@@ -726,7 +732,7 @@ class LLMEngine:
             RequestOutput(
                 request_id=seq.request_id,
                 new_token_ids=emitted,
-                token_ids=list(seq.output_ids),
+                token_ids=seq.output_ids,  # a fresh list (a slice)
                 finished=reason is not None,
                 finish_reason=reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
