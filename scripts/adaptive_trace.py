@@ -1,0 +1,93 @@
+"""Step-by-step trace of adaptive speculation against the autoregressive baseline (a diagnosis
+tool; the benchmark gives the figures).
+
+For each temperature and batch size, as ``mtpserve bench offline`` orders them: a warm-up round,
+then rounds that alternate the autoregressive engine and the adaptive one on the same prompts.
+Prints each round's speedup and, per adaptive decode step, the budget chosen, the batch, the
+rows the MTP modules were behind and the step's milliseconds (``L`` marks a catch-up step).
+
+    PYTHONPATH=. python scripts/adaptive_trace.py [--model models/demo] [--device cuda]
+        [--batch-sizes 1,64,256] [--temperatures 0,0.7] [--rounds 3] [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from bench.contenders import load_base
+from bench.engine_run import run_batch, synchronize
+from bench.prompts import load_prompts
+from engine import LLMEngine, SamplingParams, SpecConfig
+from engine.spec.adaptive import budget_label
+
+
+def _traced(eng: LLMEngine, trace: list[str]) -> None:
+    """Wrap ``eng.step`` to append one entry per decode step: budget:batch:lag:ms."""
+    choose, step = eng._choose_budget, eng.step
+    last: list[tuple[str, int, int]] = []
+
+    def choose_traced(seqs):  # type: ignore[no-untyped-def]
+        budget, lag, sampled = choose(seqs)
+        last.append((budget_label(budget), len(seqs), lag))
+        return budget, lag, sampled
+
+    def step_traced():  # type: ignore[no-untyped-def]
+        last.clear()
+        start = time.perf_counter()
+        outs = step()
+        synchronize(eng.device)
+        if last:
+            label, batch, lag = last[0]
+            ms = (time.perf_counter() - start) * 1e3
+            trace.append(f"{label}{'L' if lag else ''}:{batch}:{ms:.1f}")
+        return outs
+
+    eng._choose_budget = choose_traced  # type: ignore[method-assign]
+    eng.step = step_traced  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/demo")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    base = load_base(args.model, args.device, dtype, max(batches), args.prompt_tokens + args.max_new_tokens, None)
+    adaptive = LLMEngine(base.model, base.tokenizer, base.eos_token_ids, SpecConfig(method="adaptive"),
+                         base.config, base.device)
+    prompts, source = load_prompts(args.model, base.tokenizer, base.model_config.vocab_size, max(batches),
+                                   args.prompt_tokens)
+    print(f"model {args.model} on {args.device} ({dtype}), prompts {source}")
+    trace: list[str] = []
+    _traced(adaptive, trace)
+    gc.collect()
+    gc.freeze()
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        for batch in batches:
+            batch_prompts = prompts[:batch]
+            for r in range(args.rounds + 1):
+                tokens = 16 if r == 0 else args.max_new_tokens
+                sp = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True)
+                ar = run_batch(base, batch_prompts, sp)
+                trace.clear()
+                ad = run_batch(adaptive, batch_prompts, sp)
+                speedup = (ad.output_tokens / ad.wall_s) / (ar.output_tokens / ar.wall_s)
+                name = "warm-up" if r == 0 else f"round {r}"
+                print(f"T={temperature} b={batch} {name}: speedup {speedup:.2f} "
+                      f"(ar {ar.wall_s * 1e3:.1f} ms, adaptive {ad.wall_s * 1e3:.1f} ms)")
+                print("   ", " ".join(trace))
+
+
+if __name__ == "__main__":
+    main()
