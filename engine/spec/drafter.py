@@ -27,6 +27,7 @@ child's own sampled value (the verifier's exactness condition, see ``engine.spec
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -34,11 +35,34 @@ import torch
 
 from engine.batch_builder import SeqRows, build_batch
 from engine.kv.block_pool import BlockPool
-from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.model.deepseek_v3 import DeepseekV3ForCausalLM, mtp_band_mask
 from engine.sampling import probs_from_logits, sample_without_replacement
 from engine.sequence import Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.tree import DraftTree, select_best_nodes
+
+_CACHED_MASK_ROWS = 32  # masks of at most this many rows are kept (a step's rows, not a prompt's)
+
+
+def _build_rows_mask(n_catch: int, depth: int, n_front: int) -> torch.Tensor:
+    n = n_catch + n_front
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[:n_catch, :n_catch] = mtp_band_mask(n_catch, depth)
+    mask[n_catch:, :n_catch] = True
+    mask[n_catch:, n_catch:] = torch.eye(n_front, dtype=torch.bool)
+    return mask
+
+
+_cached_rows_mask = functools.lru_cache(maxsize=256)(_build_rows_mask)
+
+
+def _rows_mask(n_catch: int, depth: int, n_front: int) -> torch.Tensor:
+    """[n, n] bool among module ``depth``'s new rows (n = n_catch + n_front; read-only, shared):
+    catch-up rows see each other within the training band (``mtp_band_mask``), frontier rows
+    every catch-up row and themselves."""
+    if n_catch + n_front <= _CACHED_MASK_ROWS:
+        return _cached_rows_mask(n_catch, depth, n_front)
+    return _build_rows_mask(n_catch, depth, n_front)
 
 
 def _children_of(shape: TreeShape) -> list[list[int]]:
@@ -126,11 +150,7 @@ class MTPDrafter:
                 spec = self._catch_up_rows(seq, m) if m <= self.num_modules else None
                 if spec is None:
                     ctx = seq.mtp_committed[module - 1]
-                    spec = (
-                        SeqRows(seq.block_ids, ctx, [], [], torch.zeros(0, 0, dtype=torch.bool)),
-                        ctx,
-                        0,
-                    )
+                    spec = (SeqRows(seq.block_ids, ctx, [], [], _rows_mask(0, m, 0)), ctx, 0)
                 base, start, n_catch = spec
                 front = d.frontier if m >= 2 else []
                 base = self._add_frontier_rows(base, d, front, k_idx, m)
@@ -188,10 +208,7 @@ class MTPDrafter:
         hidden_idx = list(range(start, start + n))
         tokens = [seq.tokens[t + depth] for t in hidden_idx]
         positions = [t + depth for t in hidden_idx]
-        band = max(depth - 1, 1)
-        idx = torch.arange(n)
-        diff = idx[:, None] - idx[None, :]
-        mask = (diff == 0) | (diff >= band)
+        mask = _rows_mask(n, depth, 0)
         query_ctx = [min(ctx, t - depth + 2) for t in hidden_idx]
         rows = SeqRows(seq.block_ids, ctx, tokens, positions, mask, query_ctx)
         rows.prev_hidden = prev
@@ -203,11 +220,7 @@ class MTPDrafter:
         n_catch = len(base.token_ids)
         if not front:
             return base
-        n = n_catch + len(front)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        mask[:n_catch, :n_catch] = base.mask
-        mask[n_catch:, :n_catch] = True
-        mask[n_catch:, n_catch:] = torch.eye(len(front), dtype=torch.bool)
+        mask = _rows_mask(n_catch, m, len(front))
         tokens = base.token_ids + [d.nodes[i].token for i in front]
         positions = base.positions + [k_idx + m - 1] * len(front)
         query_ctx = (base.query_ctx_lens or []) + [base.ctx_len] * len(front)
@@ -233,11 +246,12 @@ class MTPDrafter:
         if not active:
             return [(None, None) for _ in rows]
         ids, batch = build_batch(active, self.pool.block_size, self.device)
-        prev = torch.cat([r.prev_hidden for r in active if r.prev_hidden is not None])
+        prevs = [r.prev_hidden for r in active if r.prev_hidden is not None]
+        prev = prevs[0] if len(prevs) == 1 else torch.cat(prevs)  # [N, H]
         cache_layer = self.model.mtp_cache_layer(module)
         hidden = self.model.forward_mtp(module, prev, ids, batch, self.pool.kv_cache)
         offset = 0
-        scratch: list[int] = []
+        scratch: list[torch.Tensor] = []
         for seq, r, start, n_catch, front in zip(
             owners, rows, starts, catch_counts, frontier_nodes, strict=True
         ):
@@ -254,10 +268,10 @@ class MTPDrafter:
             )
             out.append((last_row, h[n_catch:] if front else None))
             if front:
-                scratch.extend(batch.slot_mapping[offset + n_catch : offset + n].tolist())
+                scratch.append(batch.slot_mapping[offset + n_catch : offset + n])
             offset += n
         if scratch:  # frontier rows were drafts: no remanence in the MTP cache
-            self.pool.zero_slots(torch.tensor(scratch), slice(cache_layer, cache_layer + 1))
+            self.pool.zero_slots(torch.cat(scratch), slice(cache_layer, cache_layer + 1))
         return out
 
     # ---- tree growth ----
@@ -290,7 +304,7 @@ class MTPDrafter:
             for d in drafts:
                 d.frontier = []
             return
-        logits = self.model.logits(torch.cat(hiddens))  # [rows, V]
+        logits = self.model.logits(hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens))  # [rows, V]
         topk = min(budget.topk, logits.shape[-1])
         # Greedy rows: top-k of every row at once, one transfer to the host.
         top_values, top_tokens = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)  # [rows, k]
@@ -300,14 +314,13 @@ class MTPDrafter:
             new_nodes: list[int] = []
             params = d.seq.sampling
             for parent in parents:
-                row_logits = logits[row]
                 row_tokens, row_values = top_pairs[row]
                 row += 1
                 if params.greedy:
                     picks = list(zip(row_tokens, row_values, strict=True))
                 else:
                     q = probs_from_logits(
-                        row_logits[None],
+                        logits[row - 1 : row],
                         torch.tensor([params.temperature]),
                         torch.tensor([params.top_k]),
                         torch.tensor([params.top_p]),
