@@ -50,6 +50,7 @@ from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
+SUMMARY_REFRESH = 32  # adaptive: steps an updated batch summary stands before it is re-read
 
 
 @dataclass
@@ -152,6 +153,9 @@ class LLMEngine:
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
+        # Adaptive: the batch summary after an autoregressive step, for the next step's choice
+        # ((scheduler version, batch size), lag rows, tokens left, sampled, steps since read).
+        self._summary: tuple[tuple[int, int], int, float, bool, int] | None = None
         # Tokens this step's decode produced before max_tokens / stop truncation: what the
         # chosen speculation (or none) delivers, the measure the adaptive controller compares.
         self._step_tokens = 0
@@ -408,11 +412,24 @@ class LLMEngine:
 
     def _choose_budget(self, seqs: list[Sequence]) -> tuple[TreeBudget, int, bool]:
         """This step's budget, the rows the MTP modules are behind, whether any sequence samples
-        (the last two only for adaptive speculation)."""
+        (the last two only for adaptive speculation).
+
+        After an autoregressive step over the same batch the summary is updated, not re-read
+        (every sequence one row further behind, one token fewer left): at large batches, where
+        autoregressive steps are chosen, per-sequence host work is what a step costs beyond the
+        baseline's. It is re-read every ``SUMMARY_REFRESH`` steps (the update over-counts the
+        rows of sequences within a steady step's catch-up slack)."""
         if self.adaptive is None:
             return self.budget, 0, False
-        lag, left, sampled = self._decode_summary(seqs)
-        return self.adaptive.choose(self, len(seqs), sampled, lag, left), lag, sampled
+        key = (self.scheduler.version, len(seqs))
+        cached = self._summary
+        if cached is not None and cached[0] == key and cached[4] < SUMMARY_REFRESH:
+            _, lag, left, sampled, age = cached
+        else:
+            (lag, left, sampled), age = self._decode_summary(seqs), 0
+        budget = self.adaptive.choose(self, len(seqs), sampled, lag, left)
+        self._summary = None if budget.speculates else (key, lag + len(seqs), left - 1, sampled, age + 1)
+        return budget, lag, sampled
 
     def _decode_summary(self, seqs: list[Sequence]) -> tuple[int, float, bool]:
         """What the adaptive choice needs, in one pass over the batch (per-step host work grows

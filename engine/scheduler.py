@@ -36,6 +36,7 @@ class Scheduler:
         self.scratch_tokens = scratch_tokens  # slots a step may write past the committed ones
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.version = 0  # changes whenever a sequence joins or leaves ``running``
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens reserves, one step's draft scratch included."""
@@ -52,6 +53,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+            self.version += 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -67,6 +69,7 @@ class Scheduler:
                 seq.block_ids.extend(self.pool.allocate(extra, owner))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self.version += 1
 
     def schedule(self) -> StepPlan:
         self._admit()

@@ -30,7 +30,7 @@ class SeqStatus(enum.Enum):
     IDLE = "idle"  # a session between turns: keeps tokens and blocks
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a batch finds and removes its sequences without comparing fields
 class Sequence:
     request_id: str
     tokens: list[int]
@@ -58,6 +58,7 @@ class Sequence:
         # Rows appended since the last read: (tensor, None) for all its rows, (tensor, i) for row i.
         self._hidden_tail: list[list[tuple[torch.Tensor, int | None]]] = [[] for _ in range(k)]
         self._tail_rows = [0] * k
+        self._tail_end = [0] * k  # hidden index after the tail's last row (while it has rows)
 
     # ---- views ----
     @property
@@ -83,16 +84,19 @@ class Sequence:
         creates no tensor per sequence (a long tail is folded in now and then)."""
         if depth >= self.num_mtp_modules:
             return  # the last module's outputs feed nobody
-        current = self.pending_hidden[depth]
         tail = self._hidden_tail[depth]
-        if (current is None or current.shape[0] == 0) and not tail:
-            self.pending_hidden[depth] = rows if row is None else rows[row : row + 1]
-            self.pending_start[depth] = start
-            return
-        held = (current.shape[0] if current is not None else 0) + self._tail_rows[depth]
-        assert self.pending_start[depth] + held == start, "hidden rows out of order"
+        if not tail:
+            current = self.pending_hidden[depth]
+            if current is None or current.shape[0] == 0:
+                self.pending_hidden[depth] = rows if row is None else rows[row : row + 1]
+                self.pending_start[depth] = start
+                return
+            self._tail_end[depth] = self.pending_start[depth] + current.shape[0]
+        assert self._tail_end[depth] == start, "hidden rows out of order"
+        n = 1 if row is not None else rows.shape[0]
         tail.append((rows, row))
-        self._tail_rows[depth] += 1 if row is not None else rows.shape[0]
+        self._tail_rows[depth] += n
+        self._tail_end[depth] = start + n
         if len(tail) >= MAX_HIDDEN_TAIL:
             self.hidden_rows(depth)
 

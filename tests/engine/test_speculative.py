@@ -214,3 +214,48 @@ def test_adaptive_sees_the_tokens_a_step_produced_before_truncation(demo_model_d
     produced = sum(o.step_accepted + 1 for o in outs)
     assert seen == [(True, produced)]
     assert produced > 8, "drafts were accepted past max_tokens"
+
+
+def test_adaptive_batch_summary_is_updated_after_autoregressive_steps(small_vocab_dir: Path) -> None:
+    """Over autoregressive steps of an unchanged batch the summary the choice reads is updated,
+    not re-read: tokens left exactly, rows behind at most a steady step's slack per sequence
+    over; a batch that changes (a request finishes) is read afresh."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    eng.adaptive.choose = lambda *a, **k: NO_SPEC  # type: ignore[method-assign]
+    for i, n in enumerate((12, 30, 30)):
+        eng.add_request(f"r{i}", [i, 1, 2, 3, 4], SamplingParams(max_tokens=n, temperature=0.0))
+    slack = eng.budget.depth + 3
+    checked = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        running = [s for s in eng.scheduler.running if not s.in_prefill]
+        if eng._summary is None or not running:
+            continue
+        key, lag, left, sampled, _ = eng._summary
+        if key != (eng.scheduler.version, len(running)):
+            continue  # the batch changed: the next step reads it afresh
+        true_lag, true_left, true_sampled = eng._decode_summary(running)
+        assert left == pytest.approx(true_left) and sampled == true_sampled
+        assert true_lag <= lag <= true_lag + slack * len(running)
+        checked += 1
+    assert checked >= 20
+
+
+def test_hidden_rows_out_of_order_are_refused() -> None:
+    """The MTP queue of a sequence takes rows in hidden-index order only, one row of a batch's
+    output or several, and gives them back in that order."""
+    from engine.sequence import Sequence
+
+    seq = Sequence("r", [1, 2, 3], SamplingParams(), None, num_mtp_modules=2)
+    batch = torch.arange(12.0).view(3, 4)  # [3, H=4]: three sequences' rows of one step
+    seq.push_hidden(0, 0, torch.zeros(2, 4))
+    seq.push_hidden(0, 2, batch, row=1)
+    seq.push_hidden(0, 3, batch[:2])
+    with pytest.raises(AssertionError, match="out of order"):
+        seq.push_hidden(0, 7, batch, row=0)
+    rows = seq.hidden_rows(0)
+    assert rows is not None and rows.shape == (5, 4)
+    assert torch.equal(rows[2], batch[1]) and torch.equal(rows[3:], batch[:2])
+    seq.push_hidden(0, 5, batch, row=2)  # after a read, appending goes on where it stopped
+    assert torch.equal(seq.hidden_rows(0)[5], batch[2])  # type: ignore[index]
