@@ -23,7 +23,8 @@ A drafting step after autoregressive steps (or for requests just admitted) first
 modules up over every row they are behind. Its cost is measured per row and counted, for the
 rows behind now, in the cost of an exploring run and of drafting: a drafting arm behind by some
 rows is chosen only if what it saves over the tokens the batch may still generate (its
-requests' max_tokens left, at most ``MAX_HORIZON_TOKENS`` each) exceeds its catch-up. So a
+requests' max_tokens left, at most ``MAX_HORIZON_TOKENS`` each) exceeds its catch-up and
+``DRAIN_STEPS`` of its steps (drafting spreads the steps at which requests finish). So a
 large batch of short requests that decodes autoregressively (where the catch-up of hundreds of
 prompts costs many steps) does not pay for probes of drafting that could not pay off, while
 long requests, or a small batch behind by a few rows, switch at once.
@@ -41,6 +42,7 @@ RUN = 3  # steps per exploration run: after AR steps the first one catches the M
 EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
+DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its batch draining unevenly
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
 CATCH_UP_WINDOW = 8  # catch-ups whose lower median cost per row is the estimate
 MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
@@ -214,7 +216,11 @@ class MeasuredArms:
             est = estimates[arm]
             if not arm.speculates or catch_up <= 0 or est is None or base is None:
                 return True
-            return self._saving(est, base, batch_size, sampled, arm, tokens_left) > catch_up
+            # Charged on top of the catch-up: under speculation the batch's sequences finish at
+            # different steps, the last steps carrying few of them, which steady steps do not
+            # show (nor does the catch-up).
+            drain = DRAIN_STEPS * est.step
+            return self._saving(est, base, batch_size, sampled, arm, tokens_left) > catch_up + drain
 
         best = arms[min(known)[1]]
         chosen = best if pays(best) else arms[0]

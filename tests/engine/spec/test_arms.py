@@ -202,3 +202,17 @@ def test_a_catch_up_stall_does_not_set_the_cost_of_catching_up() -> None:
     arms.observe_catch_up(1, False, TREE, 0.0, 64, timed_alone=True)  # timed short
     arms.observe_catch_up(1, False, TREE, 0.005, 64, timed_alone=True)
     assert 0.004 <= arms.catch_up_seconds(False, 64) <= 0.005
+
+
+@pytest.mark.parametrize(("tokens_left", "drafts"), [(16, False), (100, True)])
+def test_a_switch_is_charged_for_the_batch_draining_unevenly(tokens_left: int, drafts: bool) -> None:
+    """A short catch-up (64 rows, 1 ms) is not all a switch costs: drafting spreads the steps at
+    which the batch's requests finish, charged as DRAIN_STEPS steps of the arm (52 ms here).
+    16 tokens left save 27 ms, not enough; 100 save 166 ms."""
+    arms = MeasuredArms(explore_every=10_000)
+    for _ in range(3):
+        arms.observe(64, False, NO_SPEC, 0.010, 64)  # 0.156 ms per token
+        arms.observe(64, False, CHAIN, 0.026, 200)  # 0.130 ms per token
+    arms.observe_catch_up(64, False, CHAIN, 0.010, 640, timed_alone=True)
+    chosen = arms.choose(64, False, [NO_SPEC, CHAIN], 64, tokens_left=tokens_left)
+    assert chosen == (CHAIN if drafts else NO_SPEC)
