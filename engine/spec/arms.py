@@ -4,7 +4,8 @@ On a GPU the decode step is a CUDA-graph replay whose cost no model of eager for
 well, while a replay's cost hardly varies: measuring is cheap and exact. So for each batch
 bucket (powers of two) the engine's captured budgets — no speculation, a chain, the full tree —
 have a cost per emitted token: an EWMA of the step time in the bucket over the tokens per
-sequence the budget yields (pooled over buckets: one bucket's few steps measure a yield poorly).
+sequence the budget yields (pooled over buckets, each step weighted by its sequences: one
+bucket's few steps measure a yield poorly, one prompt's steps stand for one prompt).
 The cheapest arm is used.
 
 A bucket where an arm has not run yet extrapolates its step time from the buckets where it has:
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 
 from engine.spec.drafter import TreeBudget
 
+YIELD_RATE = 0.02  # EWMA weight of one sequence-step in the pooled yield
 MIN_MEASURED = 3  # steady steps of an arm before its bucket cost counts
 RUN = 3  # steps per exploration run: after AR steps the first one catches the MTP modules up
 EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
@@ -121,10 +123,14 @@ class MeasuredArms:
             bucket.costs[arm] = StepCost(seconds, float(batch_size), float(tokens), 1, seconds)
         else:
             cost.add(seconds, batch_size, tokens)
-        if arm.speculates:  # a long memory: ~50 steps
+        if arm.speculates:
+            # A memory of ~50 sequence-steps, each step weighted by its sequences: a batch of
+            # 16 is 16 samples of the yield, and prompts differ (a batch of one easy prompt
+            # must not set the yield a batch of 16 then relies on).
             mean, n = self._yield.get((sampled, arm), (0.0, 0))
-            mean += (tokens / batch_size - mean) * max(0.02, 1 / (n + 1))
-            self._yield[(sampled, arm)] = (mean, n + 1)
+            weight = max(1 - (1 - YIELD_RATE) ** batch_size, batch_size / (n + batch_size))
+            mean += (tokens / batch_size - mean) * weight
+            self._yield[(sampled, arm)] = (mean, n + batch_size)
 
     def observe_catch_up(
         self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, lag_rows: int,

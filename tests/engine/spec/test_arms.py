@@ -216,3 +216,17 @@ def test_a_switch_is_charged_for_the_batch_draining_unevenly(tokens_left: int, d
     arms.observe_catch_up(64, False, CHAIN, 0.010, 640, timed_alone=True)
     chosen = arms.choose(64, False, [NO_SPEC, CHAIN], 64, tokens_left=tokens_left)
     assert chosen == (CHAIN if drafts else NO_SPEC)
+
+
+def test_the_pooled_yield_weighs_each_step_by_its_sequences() -> None:
+    """Forty steps of one easy prompt (5 tokens per step) and then eight of a batch of 16 that
+    yields 3: the batch's evidence (128 sequence-steps) outweighs the one prompt's (40)."""
+    arms = MeasuredArms()
+    for _ in range(40):
+        arms.observe(1, False, CHAIN, 0.01, 5)
+    for _ in range(8):
+        arms.observe(16, False, CHAIN, 0.04, 48)
+    for _ in range(3):
+        arms.observe(16, False, NO_SPEC, 0.01, 16)
+    est = arms.estimate(5, False, CHAIN)
+    assert est is not None and est.per_token == pytest.approx(0.04 / (16 * 3), rel=0.15)
