@@ -102,7 +102,7 @@ class MeasuredArms:
         self.explore_every = explore_every
         self._buckets: dict[tuple[int, bool], _Bucket] = {}
         # Tokens per sequence per step of each speculating arm, pooled over buckets:
-        # (sampled, arm) -> (EWMA, steps).
+        # (sampled, arm) -> (EWMA, sequence-steps seen).
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
         # sampled -> the last costs per row of MTP catch-ups.
