@@ -4,7 +4,8 @@ tool; the benchmark gives the figures).
 For each temperature and batch size, as ``mtpserve bench offline`` orders them: a warm-up round,
 then rounds that alternate the autoregressive engine and the adaptive one on the same prompts.
 Prints each round's speedup and, per adaptive decode step, the budget chosen, the batch, the
-rows the MTP modules were behind and the step's milliseconds (``L`` marks a catch-up step).
+rows the MTP modules were behind and the step's milliseconds (``L``: behind); then the
+baseline's steps of the same round (batch:ms), to compare step by step.
 
     PYTHONPATH=. python scripts/adaptive_trace.py [--model models/demo] [--device cuda]
         [--batch-sizes 1,64,256] [--temperatures 0,0.7] [--rounds 3] [--max-new-tokens 64]
@@ -50,6 +51,22 @@ def _traced(eng: LLMEngine, trace: list[str]) -> None:
     eng.step = step_traced  # type: ignore[method-assign]
 
 
+def _timed(eng: LLMEngine, trace: list[str]) -> None:
+    """Wrap ``eng.step`` to append batch:ms per step that decoded."""
+    step = eng.step
+
+    def step_timed():  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        outs = step()
+        synchronize(eng.device)
+        decoded = [o for o in outs if o.step_drafted is not None]
+        if decoded:
+            trace.append(f"{len(decoded)}:{(time.perf_counter() - start) * 1e3:.1f}")
+        return outs
+
+    eng.step = step_timed  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/demo")
@@ -70,7 +87,9 @@ def main() -> None:
                                    args.prompt_tokens)
     print(f"model {args.model} on {args.device} ({dtype}), prompts {source}")
     trace: list[str] = []
+    base_trace: list[str] = []
     _traced(adaptive, trace)
+    _timed(base, base_trace)
     gc.collect()
     gc.freeze()
     for temperature in (float(t) for t in args.temperatures.split(",")):
@@ -79,6 +98,7 @@ def main() -> None:
             for r in range(args.rounds + 1):
                 tokens = 16 if r == 0 else args.max_new_tokens
                 sp = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True)
+                base_trace.clear()
                 ar = run_batch(base, batch_prompts, sp)
                 trace.clear()
                 ad = run_batch(adaptive, batch_prompts, sp)
@@ -86,7 +106,8 @@ def main() -> None:
                 name = "warm-up" if r == 0 else f"round {r}"
                 print(f"T={temperature} b={batch} {name}: speedup {speedup:.2f} "
                       f"(ar {ar.wall_s * 1e3:.1f} ms, adaptive {ad.wall_s * 1e3:.1f} ms)")
-                print("   ", " ".join(trace))
+                print("    adaptive:", " ".join(trace))
+                print("    ar:      ", " ".join(base_trace))
 
 
 if __name__ == "__main__":
