@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.spec.adaptive import budget_label
 
 _ids = itertools.count()
 
@@ -89,7 +90,8 @@ def run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParams
                 _add_stats(run, out.stats)
     run.wall_s = time.perf_counter() - t0
     if eng.adaptive is not None:
-        run.steps_per_arm = dict(eng.adaptive.steps_per_arm - arms_before)
+        ran = eng.adaptive.steps_per_arm - arms_before
+        run.steps_per_arm = {budget_label(budget): n for budget, n in ran.items()}
     return run
 
 

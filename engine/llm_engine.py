@@ -14,6 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,16 @@ from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
 SUMMARY_REFRESH = 32  # adaptive: steps an updated batch summary stands before it is re-read
+
+
+class _BatchSummary(NamedTuple):
+    """What adaptive speculation reads of a decode batch (see ``LLMEngine._decode_summary``)."""
+
+    key: tuple[int, int]  # (scheduler version, batch size): the batch it describes
+    lag: int  # rows the MTP modules are behind
+    left: float  # tokens each sequence may still generate, on average
+    sampled: bool
+    age: int  # autoregressive steps since it was read from the batch
 
 
 @dataclass
@@ -153,9 +164,8 @@ class LLMEngine:
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
-        # Adaptive: the batch summary after an autoregressive step, for the next step's choice
-        # ((scheduler version, batch size), lag rows, tokens left, sampled, steps since read).
-        self._summary: tuple[tuple[int, int], int, float, bool, int] | None = None
+        # Adaptive: the batch summary after an autoregressive step, for the next step's choice.
+        self._summary: _BatchSummary | None = None
         # Tokens this step's decode produced before max_tokens / stop truncation: what the
         # chosen speculation (or none) delivers, the measure the adaptive controller compares.
         self._step_tokens = 0
@@ -422,14 +432,14 @@ class LLMEngine:
         if self.adaptive is None:
             return self.budget, 0, False
         key = (self.scheduler.version, len(seqs))
-        cached = self._summary
-        if cached is not None and cached[0] == key and cached[4] < SUMMARY_REFRESH:
-            _, lag, left, sampled, age = cached
-        else:
-            (lag, left, sampled), age = self._decode_summary(seqs), 0
-        budget = self.adaptive.choose(self, len(seqs), sampled, lag, left)
-        self._summary = None if budget.speculates else (key, lag + len(seqs), left - 1, sampled, age + 1)
-        return budget, lag, sampled
+        summary = self._summary
+        if summary is None or summary.key != key or summary.age >= SUMMARY_REFRESH:
+            summary = _BatchSummary(key, *self._decode_summary(seqs), age=0)
+        budget = self.adaptive.choose(self, len(seqs), summary.sampled, summary.lag, summary.left)
+        self._summary = None if budget.speculates else summary._replace(
+            lag=summary.lag + len(seqs), left=summary.left - 1, age=summary.age + 1
+        )
+        return budget, summary.lag, summary.sampled
 
     def _decode_summary(self, seqs: list[Sequence]) -> tuple[int, float, bool]:
         """What the adaptive choice needs, in one pass over the batch (per-step host work grows

@@ -57,7 +57,6 @@ class Sequence:
         self.pending_start = [0] * k
         # Rows appended since the last read: (tensor, None) for all its rows, (tensor, i) for row i.
         self._hidden_tail: list[list[tuple[torch.Tensor, int | None]]] = [[] for _ in range(k)]
-        self._tail_rows = [0] * k
         self._tail_end = [0] * k  # hidden index after the tail's last row (while it has rows)
 
     # ---- views ----
@@ -93,10 +92,8 @@ class Sequence:
                 return
             self._tail_end[depth] = self.pending_start[depth] + current.shape[0]
         assert self._tail_end[depth] == start, "hidden rows out of order"
-        n = 1 if row is not None else rows.shape[0]
         tail.append((rows, row))
-        self._tail_rows[depth] += n
-        self._tail_end[depth] = start + n
+        self._tail_end[depth] = start + (1 if row is not None else rows.shape[0])
         if len(tail) >= MAX_HIDDEN_TAIL:
             self.hidden_rows(depth)
 
@@ -109,7 +106,6 @@ class Sequence:
             parts += [rows if row is None else rows[row : row + 1] for rows, row in tail]
             self.pending_hidden[depth] = torch.cat(parts, dim=0)
             tail.clear()
-            self._tail_rows[depth] = 0
         return self.pending_hidden[depth]
 
     def take_hidden(self, depth: int, upto: int) -> tuple[int, torch.Tensor | None]:

@@ -58,7 +58,7 @@ class AdaptiveController:
         self._tree: TreeBudget | None = None  # the host path's planned tree
         self._planned_at_steps = 0
         self._graphed_arms: dict[bool, list[TreeBudget]] = {}  # sampled -> captured budgets
-        self.steps_per_arm: Counter[str] = Counter()  # decode steps per chosen budget's label
+        self.steps_per_arm: Counter[TreeBudget] = Counter()  # decode steps per chosen budget
 
     def observe(
         self, batch_size: int, budget: TreeBudget, seconds: float, tokens: int, sampled: bool = False
@@ -90,7 +90,7 @@ class AdaptiveController:
             tree = self._planned_tree(engine)
             arms = [self.chain] if tree == self.chain else [self.chain, tree]
         chosen = self.arms.choose(batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left)
-        self.steps_per_arm[budget_label(chosen)] += 1
+        self.steps_per_arm[chosen] += 1
         return chosen
 
     def _planned_tree(self, engine: LLMEngine) -> TreeBudget:
