@@ -46,6 +46,7 @@ from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_t
 from engine.spec.drafter import MTPDrafter, TreeBudget
 from engine.spec.graphed_sampled import GraphedSampledTree
 from engine.spec.graphed_tree import GraphedGreedyTree, GraphedTreeStep
+from engine.spec.hidden_log import HiddenLog
 from engine.spec.tree import DraftTree
 from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 
@@ -133,6 +134,8 @@ class LLMEngine:
         # MTP state is kept only when something drafts (autoregressive engines skip it).
         drafts = cfg.num_mtp_modules > 0 and spec.method != "none"
         self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if drafts else None
+        # Autoregressive steps' hidden rows, handed to the sequences when something reads them.
+        self._hidden_log = HiddenLog()
         self.acceptance = AcceptanceCounter()
         self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
         self.last_timings = StepTimings()
@@ -383,6 +386,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if plan.prefill:
+            self._hidden_log.flush()  # a session's next turn continues its MTP rows
             self._prefill(plan.prefill, outputs)
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
         self._step_caught_up = False
@@ -394,6 +398,7 @@ class LLMEngine:
                 torch.cuda.synchronize(self.device)  # time the decode work alone
             start = time.perf_counter()
             if budget.speculates:
+                self._hidden_log.flush()
                 host = decode
                 for runner in self._graphed_steps(budget):
                     graphed, host = self._split_graphed(runner, host)
@@ -511,12 +516,12 @@ class LLMEngine:
         logits = self.model.logits(hidden)
         tokens = self._sample_rows(seqs, logits)
         for i, seq in enumerate(seqs):
-            if self.drafter is not None:
-                seq.push_hidden(0, seq.num_committed, hidden, row=i)
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
             self._step_tokens += 1
             self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0)
+        if self.drafter is not None:  # after the commits (see HiddenLog); no per-sequence work
+            self._hidden_log.append(seqs, hidden)
 
     def _speculative_step(
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
@@ -774,6 +779,7 @@ class LLMEngine:
 
     def _truncate_committed(self, seq: Sequence) -> None:
         """A stop inside an accepted path: forget (and zero) KV past the new pending token."""
+        assert not self._hidden_log, "autoregressive steps never truncate; speculative ones flush"
         keep = len(seq.tokens) - 1
         table = torch.tensor(seq.block_ids)
         positions = torch.arange(keep, seq.num_committed)

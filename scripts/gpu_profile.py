@@ -5,7 +5,8 @@ the rollback graph, a whole engine step on the graphed path (host work included)
 for the CUDA-graph autoregressive step; then profiles one eager draft+verify+accept pass with
 torch.profiler and writes the top kernels. Output: OUT/gpu_profile.json and OUT/kernels.txt;
 with ``--host-profile-batch B`` also a cProfile of steady engine steps at batch B
-(OUT/host_ar_bB.txt, OUT/host_tree_bB.txt).
+(OUT/host_ar_bB.txt, OUT/host_tree_bB.txt); with ``--catch-up`` the MTP catch-up over the
+prompts at each batch size (what a switch to drafting costs: ms, and per row).
 
     PYTHONPATH=. python scripts/gpu_profile.py OUT [--model models/demo]
 """
@@ -52,6 +53,32 @@ def _steady_step_ms(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -
     return ms
 
 
+def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]]) -> dict[str, float]:
+    """The MTP catch-up over freshly prefilled prompts (an adaptive engine leaves it to the first
+    drafting step): milliseconds, rows and milliseconds per row, best of 3."""
+    from engine.spec.adaptive import NO_SPEC
+
+    assert eng.adaptive is not None and eng.drafter is not None
+    eng.adaptive.choose = lambda *a, **k: NO_SPEC  # type: ignore[method-assign]
+    best, rows = float("inf"), 0
+    for _ in range(3):
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"c{time.time_ns()}-{i}", p, sp)
+        while any(s.in_prefill for s in eng.scheduler.running) or eng.scheduler.num_waiting:
+            eng.step()
+        seqs = [s for s in eng.scheduler.running if not s.in_prefill]
+        rows = sum(len(s.tokens) - 1 - s.mtp_committed[0] for s in seqs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.drafter.catch_up(seqs)
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+        for rid in list(eng._requests):
+            eng.abort_request(rid)
+    return {"catch_up_ms": best, "rows": rows, "ms_per_row": best / max(rows, 1)}
+
+
 def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 8) -> str:
     """cProfile of ``steps`` steady decode steps (host work: where a large batch's step goes)."""
     import cProfile
@@ -84,20 +111,45 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--model", default="models/demo")
     parser.add_argument("--batch-sizes", default="1,16,64")
-    parser.add_argument("--host-profile-batch", type=int, default=0, help="cProfile steps at this batch")
+    parser.add_argument(
+        "--host-profile-batch", type=int, default=0, help="cProfile steps at this batch"
+    )
+    parser.add_argument(
+        "--catch-up", action="store_true", help="time the MTP catch-up per batch size"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     cfg = EngineConfig(max_batch_size=max(batches), kv_memory_bytes=4 << 30)
     report: dict[str, object] = {"model": args.model}
-    tree = LLMEngine.from_pretrained(args.model, device="cuda", dtype="bfloat16", spec=SpecConfig(method="tree"), engine_config=cfg)
-    ar = LLMEngine(tree.model, tree.tokenizer, tree.eos_token_ids, SpecConfig(method="none"), cfg, tree.device)
+    tree = LLMEngine.from_pretrained(
+        args.model,
+        device="cuda",
+        dtype="bfloat16",
+        spec=SpecConfig(method="tree"),
+        engine_config=cfg,
+    )
+    ar = LLMEngine(
+        tree.model, tree.tokenizer, tree.eos_token_ids, SpecConfig(method="none"), cfg, tree.device
+    )
     prompts = heldout_prompts(args.model, tree.tokenizer, 8, 64)  # type: ignore[arg-type]
     g = tree.graphed_tree
     assert g is not None and g.use_graphs, g.capture_error if g else "no graphed tree"
     st = ar.static_forward
     assert st is not None
+    adaptive = (
+        LLMEngine(
+            tree.model,
+            tree.tokenizer,
+            tree.eos_token_ids,
+            SpecConfig(method="adaptive"),
+            cfg,
+            tree.device,
+        )
+        if args.catch_up
+        else None
+    )
     for b in batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
         buf = g._buffers[g._bucket(b)]
@@ -109,6 +161,8 @@ def main() -> None:
             "tree_step_ms": _steady_step_ms(tree, batch_prompts),
             "ar_step_ms": _steady_step_ms(ar, batch_prompts),
         }
+        if adaptive is not None:
+            row.update(_catch_up_ms(adaptive, batch_prompts))
         report[f"b{b}"] = row
         print(b, row, flush=True)
     if args.host_profile_batch:

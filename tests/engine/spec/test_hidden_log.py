@@ -1,0 +1,139 @@
+"""engine/spec/hidden_log.py: autoregressive steps' hidden rows, handed out when read.
+
+Unit: rows reach the right sequences at the right hidden indices, finished sequences' rows
+are dropped, a full log hands its rows out. Engine: adaptive speculation switching between
+autoregressive runs (logged) and speculative steps (which read the MTP state), across a
+session's turns and requests finishing at different steps, keeps the autoregressive tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.sequence import SeqStatus, Sequence
+from engine.spec.adaptive import NO_SPEC
+from engine.spec.hidden_log import HiddenLog
+
+H = 3
+
+
+def _seq(name: str, committed: int) -> Sequence:
+    seq = Sequence(name, list(range(committed + 1)), SamplingParams(), None, num_mtp_modules=2)  # type: ignore[arg-type]
+    seq.status = SeqStatus.RUNNING
+    seq.push_hidden(0, 0, torch.full((committed, H), -1.0))  # its prompt's rows
+    seq.num_committed = committed
+    return seq
+
+
+def _step(log: HiddenLog, seqs: list[Sequence], step: int) -> None:
+    """An autoregressive step: row i is ``100 * step + i``; every sequence commits one token."""
+    hidden = (100.0 * step + torch.arange(len(seqs), dtype=torch.float32))[:, None].expand(-1, H)
+    for seq in seqs:
+        seq.num_committed += 1
+    log.append(seqs, hidden.clone())
+
+
+def test_flush_hands_each_sequence_its_rows_at_its_newest_positions() -> None:
+    a, b, c = _seq("a", 4), _seq("b", 2), _seq("c", 6)
+    log = HiddenLog()
+    _step(log, [a, b], 0)
+    _step(log, [b, a, c], 1)  # the order of a batch may change; c joins
+    b.status = SeqStatus.FINISHED  # b's rows must not be handed out (nor fail)
+    _step(log, [c, a], 2)
+    assert len(log) == 3
+    log.flush()
+    assert len(log) == 0
+    rows_a = a.hidden_rows(0)
+    assert rows_a is not None and rows_a.shape == (7, H) and a.pending_start[0] == 0
+    assert rows_a[4:, 0].tolist() == [0.0, 101.0, 201.0]  # hidden indices 4, 5, 6
+    rows_c = c.hidden_rows(0)
+    assert rows_c is not None and rows_c[6:, 0].tolist() == [102.0, 200.0]
+    assert b.hidden_rows(0) is not None and b.hidden_rows(0).shape[0] == 2  # type: ignore[union-attr]
+    _step(log, [a], 3)  # logging goes on after a flush
+    log.flush()
+    rows_a = a.hidden_rows(0)
+    assert rows_a is not None and rows_a[-1, 0].item() == 300.0 and rows_a.shape[0] == 8
+
+
+def test_a_full_log_hands_its_rows_out() -> None:
+    a = _seq("a", 1)
+    log = HiddenLog(max_steps=4)
+    for step in range(6):
+        _step(log, [a], step)
+    assert len(log) == 2  # flushed at the fourth step
+    rows = a.hidden_rows(0)
+    assert rows is not None and rows[1:, 0].tolist() == [0.0, 100.0, 200.0, 300.0]
+
+
+def test_rows_out_of_place_are_refused() -> None:
+    """A sequence whose logged rows are not its newest committed positions (something committed
+    tokens without flushing first) trips the queue's order check, not silently misplaced rows."""
+    a = _seq("a", 3)
+    log = HiddenLog()
+    _step(log, [a], 0)
+    a.push_hidden(0, 3, torch.zeros(1, H))  # index 3 pushed behind the log's back
+    with pytest.raises(AssertionError, match="out of order"):
+        log.flush()
+
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "cfg", [EngineConfig(), EngineConfig(cuda_graphs=True)], ids=["host", "static"]
+)
+def test_adaptive_with_logged_rows_keeps_the_autoregressive_tokens(
+    small_vocab_dir: Path, cfg: EngineConfig
+) -> None:
+    """Runs of autoregressive steps (logged rows) between speculative steps, requests finishing
+    at different steps, and a session whose second turn continues from logged rows: the tokens
+    are the autoregressive ones. Drafts read the handed-out rows, so they are the ones a log
+    handing out every step at once gives (misplaced rows cost acceptance, not tokens)."""
+    prompts = [[1, 2, 3, 4, 5, 0, 1], [2, 3, 1, 4, 0], [4] * 12]
+    lengths = [30, 11, 23]
+
+    def run(
+        spec: SpecConfig, log_steps: int = 256
+    ) -> tuple[list[list[int]], list[list[int]], int, int]:
+        eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=cfg)
+        eng._hidden_log.max_steps = log_steps
+        logged = accepted = 0
+        if eng.adaptive is not None:
+            arms = [NO_SPEC, NO_SPEC, NO_SPEC, eng.budget, NO_SPEC, NO_SPEC, eng.budget, eng.budget]
+            picks = itertools.cycle(arms)
+            eng.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
+        for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            eng.add_request(f"r{i}", prompt, params)
+        outs: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.token_ids
+                    accepted += o.stats.num_accepted_tokens
+            logged = max(logged, len(eng._hidden_log))
+        eng.open_session("s")
+        turns = []
+        for t, prompt in enumerate(([1, 2, 3, 4, 5], [0, 1, 2])):
+            eng.add_request(f"turn-{t}", prompt, GREEDY, session_id="s")
+            final = None
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    final = o if o.finished else final
+                logged = max(logged, len(eng._hidden_log))
+            assert final is not None
+            turns.append(final.token_ids)
+            accepted += final.stats.num_accepted_tokens
+        return [outs[f"r{i}"] for i in range(len(prompts))], turns, logged, accepted
+
+    base_outs, base_turns, _, _ = run(SpecConfig(method="none"))
+    outs, turns, logged, accepted = run(SpecConfig(method="adaptive"))
+    assert outs == base_outs and turns == base_turns
+    assert logged >= 3
+    *_, accepted_at_once = run(SpecConfig(method="adaptive"), log_steps=1)
+    assert accepted == accepted_at_once > 0
