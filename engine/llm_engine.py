@@ -41,7 +41,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_stats import AcceptanceCounter
-from engine.spec.adaptive import AdaptiveController
+from engine.spec.adaptive import AdaptiveController, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget
 from engine.spec.graphed_sampled import GraphedSampledTree
@@ -165,6 +165,8 @@ class LLMEngine:
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
+            # What a switch to drafting costs, before the first one is measured.
+            self.adaptive.arms.catch_up.calibrate(calibrate_catch_up(self))
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
         # Adaptive: the batch summary after an autoregressive step, for the next step's choice.

@@ -6,7 +6,10 @@ for the CUDA-graph autoregressive step; then profiles one eager draft+verify+acc
 torch.profiler and writes the top kernels. Output: OUT/gpu_profile.json and OUT/kernels.txt;
 with ``--host-profile-batch B`` also a cProfile of steady engine steps at batch B
 (OUT/host_ar_bB.txt, OUT/host_tree_bB.txt); with ``--catch-up`` the MTP catch-up over the
-prompts at each batch size (what a switch to drafting costs: ms, and per row).
+prompts at each batch size (what a switch to drafting costs: ms, and per row), the steady
+autoregressive step of an adaptive engine (its choice made, then overruled to no speculation:
+what adaptive's AR steps cost beyond the baseline's; also host-profiled), and a torch profile of
+one catch-up of one prompt (OUT/catch_up_profile.txt).
 
     PYTHONPATH=. python scripts/gpu_profile.py OUT [--model models/demo]
 """
@@ -53,6 +56,37 @@ def _steady_step_ms(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -
     return ms
 
 
+def _adaptive_kept_autoregressive(eng: LLMEngine) -> LLMEngine:
+    """``eng`` (adaptive) making its choice every step, then decoding autoregressively."""
+    from engine.spec.adaptive import NO_SPEC
+
+    assert eng.adaptive is not None
+    choose = eng.adaptive.arms.choose
+    eng.adaptive.arms.choose = lambda *a, **k: (choose(*a, **k), NO_SPEC)[1]  # type: ignore[method-assign]
+    return eng
+
+
+def _catch_up_profile(eng: LLMEngine, prompt: list[int]) -> str:
+    """torch.profiler table (CPU and CUDA) of one catch-up over one freshly prefilled prompt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    assert eng.drafter is not None
+    eng.add_request(f"cp{time.time_ns()}", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    while any(s.in_prefill for s in eng.scheduler.running) or eng.scheduler.num_waiting:
+        eng.step()
+    seqs = [s for s in eng.scheduler.running if not s.in_prefill]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.drafter.catch_up(seqs)
+        torch.cuda.synchronize()
+    for rid in list(eng._requests):
+        eng.abort_request(rid)
+    averages = prof.key_averages()
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    head = f"CUDA kernels: {kernels}\n"
+    return head + averages.table(sort_by="self_cpu_time_total", row_limit=45)
+
+
 def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]]) -> dict[str, float]:
     """The MTP catch-up over freshly prefilled prompts (an adaptive engine leaves it to the first
     drafting step): milliseconds, rows and milliseconds per row, best of 3."""
@@ -79,7 +113,7 @@ def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]]) -> dict[str, float]:
     return {"catch_up_ms": best, "rows": rows, "ms_per_row": best / max(rows, 1)}
 
 
-def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 8) -> str:
+def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 24) -> str:
     """cProfile of ``steps`` steady decode steps (host work: where a large batch's step goes)."""
     import cProfile
     import io
@@ -150,6 +184,20 @@ def main() -> None:
         if args.catch_up
         else None
     )
+    adaptive_ar = (
+        _adaptive_kept_autoregressive(
+            LLMEngine(
+                tree.model,
+                tree.tokenizer,
+                tree.eos_token_ids,
+                SpecConfig(method="adaptive"),
+                cfg,
+                tree.device,
+            )
+        )
+        if args.catch_up
+        else None
+    )
     for b in batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
         buf = g._buffers[g._bucket(b)]
@@ -161,15 +209,25 @@ def main() -> None:
             "tree_step_ms": _steady_step_ms(tree, batch_prompts),
             "ar_step_ms": _steady_step_ms(ar, batch_prompts),
         }
-        if adaptive is not None:
+        if adaptive is not None and adaptive_ar is not None:
             row.update(_catch_up_ms(adaptive, batch_prompts))
+            # Interleaved with the baseline's: the host's speed drifts.
+            pairs = [(_steady_step_ms(ar, batch_prompts), _steady_step_ms(adaptive_ar, batch_prompts))
+                     for _ in range(3)]  # fmt: skip
+            row["ar_step_ms_interleaved"] = min(a for a, _ in pairs)
+            row["adaptive_ar_step_ms"] = min(d for _, d in pairs)
         report[f"b{b}"] = row
         print(b, row, flush=True)
     if args.host_profile_batch:
         b = args.host_profile_batch
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
-        for name, eng in (("ar", ar), ("tree", tree)):
+        engines = [("ar", ar), ("tree", tree)] + (
+            [("adaptive_ar", adaptive_ar)] if adaptive_ar else []
+        )
+        for name, eng in engines:
             (out / f"host_{name}_b{b}.txt").write_text(_host_profile(eng, batch_prompts))
+    if adaptive is not None:
+        (out / "catch_up_profile.txt").write_text(_catch_up_profile(adaptive, prompts[0]))
     # Eager profile of one draft+verify+accept pass at batch 1.
     buf = g._buffers[1]
     from torch.profiler import ProfilerActivity, profile

@@ -33,6 +33,8 @@ import torch
 from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.kv.block_pool import BlockOwner
 from engine.simulator import AcceptanceStats, LatencyModel, SpeculationPlanner
+from engine.params import SamplingParams
+from engine.sequence import SeqStatus, Sequence
 from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget
 
@@ -206,6 +208,62 @@ def calibrate_latency(engine: LLMEngine, max_budget: TreeBudget, context: int = 
     if draft:
         measurements["draft_per_depth"] = draft
     return LatencyModel.fit(measurements)
+
+
+@torch.inference_mode()
+def calibrate_catch_up(
+    engine: LLMEngine, prompts: tuple[int, ...] | None = None, rows_per_prompt: int = 64
+) -> list[tuple[int, float]]:
+    """Time the MTP catch-up over ``prompts`` sequences of ``rows_per_prompt`` rows each (best of
+    two runs): (rows, seconds) points for ``engine.spec.catch_up_cost``. Scratch sequences over
+    scratch blocks, freed (zeroed) after; the catch-up is the engine's own (``MTPDrafter.
+    catch_up``), as a switch to drafting runs it. Default sizes: 1, 16 and 64 prompts on a GPU
+    (its fixed cost of launches is most of a small catch-up), 1 and 4 on a CPU."""
+    drafter, pool = engine.drafter, engine.pool
+    if drafter is None:
+        return []
+    if prompts is None:
+        prompts = (1, 4) if engine.device.type == "cpu" else (1, 16, 64)
+    cfg = engine.model_config
+    # Rows the engine counts as behind exclude a steady step's slack (``_decode_summary``).
+    slack = engine.budget.depth + 3
+    length = rows_per_prompt + slack + 1  # tokens: the last one is the pending token
+    blocks_per_seq = -(-(length + 1) // pool.block_size)
+    dtype = next(engine.model.parameters()).dtype
+    gen = torch.Generator().manual_seed(0)
+    points = []
+    for n in prompts:
+        if n * blocks_per_seq > pool.num_free or n > engine.config.max_batch_size:
+            break
+        owner = BlockOwner("catch-up-calibration")
+        blocks = pool.allocate(n * blocks_per_seq, owner)
+        try:
+            best = float("inf")
+            for _ in range(2):  # the first run compiles kernels for new shapes
+                seqs = []
+                for i in range(n):
+                    seq = Sequence(f"calibration-{i}", torch.randint(0, cfg.vocab_size, (length,), generator=gen)
+                                   .tolist(), SamplingParams(), gen, num_mtp_modules=cfg.num_mtp_modules)  # fmt: skip
+                    seq.status = SeqStatus.RUNNING
+                    seq.block_ids = blocks[i * blocks_per_seq : (i + 1) * blocks_per_seq]
+                    seq.num_committed = length - 1
+                    hidden = torch.randn(length - 1, cfg.hidden_size, generator=gen).to(engine.device, dtype)
+                    seq.push_hidden(0, 0, hidden)
+                    seqs.append(seq)
+                _synchronize(engine.device)
+                start = time.perf_counter()
+                drafter.catch_up(seqs)
+                _synchronize(engine.device)
+                best = min(best, time.perf_counter() - start)
+            points.append((n * rows_per_prompt, best))
+        finally:
+            pool.free(blocks)  # zeroes what the catch-up wrote
+    return points
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _time(fn: object, device: torch.device, repeats: int = 3) -> float:

@@ -33,9 +33,9 @@ long requests, or a small batch behind by a few rows, switch at once.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+from engine.spec.catch_up_cost import CatchUpCost
 from engine.spec.drafter import TreeBudget
 
 YIELD_RATE = 0.02  # EWMA weight of one sequence-step in the pooled yield
@@ -46,7 +46,6 @@ EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
 DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its batch draining unevenly
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
-CATCH_UP_WINDOW = 8  # catch-ups whose lower median cost per row is the estimate
 MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
 
 
@@ -105,8 +104,8 @@ class MeasuredArms:
         # (sampled, arm) -> (EWMA, sequence-steps seen).
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
-        # sampled -> the last costs per row of MTP catch-ups.
-        self._row_costs: dict[bool, deque[float]] = {}
+        # What an MTP catch-up costs (the same work for greedy and sampled batches).
+        self.catch_up = CatchUpCost()
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -145,15 +144,12 @@ class MeasuredArms:
         est = self.estimate(batch_size.bit_length(), sampled, arm)
         if est is None or lag_rows <= 0:
             return
-        extra = seconds if timed_alone else max(seconds - est.step, 0.0)
-        self._row_costs.setdefault(sampled, deque(maxlen=CATCH_UP_WINDOW)).append(extra / lag_rows)
+        self.catch_up.observe(lag_rows, seconds if timed_alone else max(seconds - est.step, 0.0))
 
-    def catch_up_seconds(self, sampled: bool, lag_rows: int) -> float:
-        """What catching the MTP modules up over ``lag_rows`` rows costs (0 until measured): the
-        lower median of the last ``CATCH_UP_WINDOW`` costs per row, robust to a stall (a
-        garbage collection, a kernel compiled for a new shape) and to a step timed short."""
-        costs = sorted(self._row_costs.get(sampled, ()))
-        return costs[(len(costs) - 1) // 2] * lag_rows if costs else 0.0
+    def catch_up_seconds(self, lag_rows: int) -> float:
+        """What catching the MTP modules up over ``lag_rows`` rows costs (0 until measured or
+        calibrated; ``engine.spec.catch_up_cost``)."""
+        return self.catch_up.seconds(lag_rows)
 
     def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
         """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
@@ -215,7 +211,7 @@ class MeasuredArms:
         known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
         if not known:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
-        catch_up = self.catch_up_seconds(sampled, lag_rows)
+        catch_up = self.catch_up_seconds(lag_rows)
         base = estimates[arms[0]]
 
         def pays(arm: TreeBudget) -> bool:
@@ -248,7 +244,14 @@ class MeasuredArms:
             else:  # what a run costs, in steps of the chosen arm, at the share it may take
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
                 steady = max(float(self.explore_every), RUN * est.step / (share * max(step, 1e-9)))
-                extra = (catch_up if arm.speculates else 0.0) / (share * max(step, 1e-9))
+                # A run of a drafting arm first catches up; a run of autoregressive steps
+                # while drafting leaves a catch-up to come back (the device step takes the
+                # MTP state of a drafting step only), whose fixed part alone is ~10 steps.
+                if arm.speculates:
+                    switch = catch_up
+                else:
+                    switch = self.catch_up_seconds(RUN * batch_size) if chosen.speculates else 0.0
+                extra = switch / (share * max(step, 1e-9))
                 # The catch-up defers a run by at most MAX_EXPLORE_INTERVAL steps: an estimate
                 # of it that forbade re-measuring (one timed during a stall) would stand forever.
                 interval = max(steady, min(steady + extra, float(MAX_EXPLORE_INTERVAL)))

@@ -192,16 +192,16 @@ def test_a_catch_up_stall_does_not_set_the_cost_of_catching_up() -> None:
     catch-ups stands, so one stall cannot forbid drafting, nor one short timing make it free."""
     arms = MeasuredArms()
     arms.observe_catch_up(1, False, TREE, 0.5, 64)  # no steady tree step yet: ignored
-    assert arms.catch_up_seconds(False, 64) == 0.0
+    assert arms.catch_up_seconds(64) == 0.0
     for _ in range(3):
         arms.observe(1, False, TREE, 0.002, 5)
     arms.observe_catch_up(1, False, TREE, 0.002 + 0.004, 64)  # 4 ms for 64 rows
-    assert arms.catch_up_seconds(False, 64) == pytest.approx(0.004)
+    assert arms.catch_up_seconds(64) == pytest.approx(0.004)
     arms.observe_catch_up(1, False, TREE, 0.5, 64, timed_alone=True)  # a stall
-    assert arms.catch_up_seconds(False, 64) == pytest.approx(0.004)
+    assert arms.catch_up_seconds(64) == pytest.approx(0.004)
     arms.observe_catch_up(1, False, TREE, 0.0, 64, timed_alone=True)  # timed short
     arms.observe_catch_up(1, False, TREE, 0.005, 64, timed_alone=True)
-    assert 0.004 <= arms.catch_up_seconds(False, 64) <= 0.005
+    assert 0.004 <= arms.catch_up_seconds(64) <= 0.005
 
 
 @pytest.mark.parametrize(("tokens_left", "drafts"), [(16, False), (100, True)])
@@ -230,3 +230,23 @@ def test_the_pooled_yield_weighs_each_step_by_its_sequences() -> None:
         arms.observe(16, False, NO_SPEC, 0.01, 16)
     est = arms.estimate(5, False, CHAIN)
     assert est is not None and est.per_token == pytest.approx(0.04 / (16 * 3), rel=0.15)
+
+
+def test_batch_16_drafts_though_one_prompts_catch_up_is_dear_per_row() -> None:
+    """The H200 case: a one-prompt catch-up costs 13 ms for 64 rows (0.2 ms per row) but 16
+    prompts' cost 31 ms, not 210. With the calibrated line, batch 16 behind by its prompts
+    switches to the tree that is 1.4x cheaper per token than autoregressive decoding, over the
+    200 tokens its requests have left."""
+    arms = MeasuredArms(explore_every=10_000)
+    arms.catch_up.calibrate([(64, 0.013), (1024, 0.031)])
+    for _ in range(3):
+        arms.observe(16, False, NO_SPEC, 0.0014, 16)  # 87 us per token
+        arms.observe(16, False, TREE, 0.0039, 16 * 4)  # 61 us per token
+    arms.observe_catch_up(1, False, TREE, 0.013, 64, timed_alone=True)
+    assert arms.choose(16, False, [NO_SPEC, TREE], 1024, tokens_left=200) == TREE
+    only_per_row = MeasuredArms(explore_every=10_000)
+    for _ in range(3):
+        only_per_row.observe(16, False, NO_SPEC, 0.0014, 16)
+        only_per_row.observe(16, False, TREE, 0.0039, 16 * 4)
+    only_per_row.observe_catch_up(1, False, TREE, 0.013, 64, timed_alone=True)
+    assert only_per_row.choose(16, False, [NO_SPEC, TREE], 1024, tokens_left=200) == NO_SPEC
