@@ -32,9 +32,9 @@ import torch
 
 from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.kv.block_pool import BlockOwner
-from engine.simulator import AcceptanceStats, LatencyModel, SpeculationPlanner
 from engine.params import SamplingParams
 from engine.sequence import SeqStatus, Sequence
+from engine.simulator import AcceptanceStats, LatencyModel, SpeculationPlanner
 from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget
 
