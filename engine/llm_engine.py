@@ -396,8 +396,8 @@ class LLMEngine:
         self._step_tokens = 0
         if decode:
             budget, lag, sampled = self._choose_budget(decode)
-            if self.adaptive is not None and plan.prefill and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # time the decode work alone
+            if self.adaptive is not None and plan.prefill:
+                self._wait_for_device()  # time the decode work alone
             start = time.perf_counter()
             if budget.speculates:
                 self._hidden_log.flush()
@@ -411,8 +411,7 @@ class LLMEngine:
             else:
                 self._autoregressive_step(decode, outputs)
             if self.adaptive is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self._wait_for_device()
                 seconds = time.perf_counter() - start
                 if self._catch_up_s is not None:  # timed alone: the rest is a steady step
                     self.adaptive.observe_catch_up(
@@ -426,6 +425,13 @@ class LLMEngine:
                 else:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
         return outputs
+
+    def _wait_for_device(self) -> None:
+        """Wait for the work queued on the device (adaptive speculation times its steps). The
+        stream's own wait: ``torch.cuda.synchronize`` switches devices around it (0.08 ms a call
+        under a profiler on the H200's host, against 0.8 ms for a whole batch-16 step)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _choose_budget(self, seqs: list[Sequence]) -> tuple[TreeBudget, int, bool]:
         """This step's budget, the rows the MTP modules are behind, whether any sequence samples
@@ -606,8 +612,7 @@ class LLMEngine:
             start = time.perf_counter()
             self.drafter.catch_up(lagging)
             if self.adaptive is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self._wait_for_device()
                 self._catch_up_s = (self._catch_up_s or 0.0) + time.perf_counter() - start
             self._step_caught_up = True
             ready = [ok or fast.eligible(s) for s, ok in zip(seqs, ready, strict=True)]

@@ -47,6 +47,7 @@ SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its
 DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its batch draining unevenly
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
 MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
+HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it is made afresh
 
 
 @dataclass
@@ -104,6 +105,9 @@ class MeasuredArms:
         # (sampled, arm) -> (EWMA, sequence-steps seen).
         self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
+        # The last choice, (bucket, sampled, arms, behind), arm, bucket step until which it
+        # stands: its inputs move slowly, and making it costs host time each step.
+        self._held: tuple[tuple[int, bool, tuple[TreeBudget, ...], bool], TreeBudget, int] | None = None
         # What an MTP catch-up costs (the same work for greedy and sampled batches).
         self.catch_up = CatchUpCost()
 
@@ -207,6 +211,9 @@ class MeasuredArms:
             arm, left = self._run
             self._run = (arm, left - 1) if left > 1 else None
             return self._ran(bucket, arm)
+        key = (target, sampled, tuple(arms), lag_rows > 0)
+        if self._held is not None and self._held[0] == key and bucket.steps < self._held[2]:
+            return self._ran(bucket, self._held[1])
         estimates = {arm: self.estimate(target, sampled, arm) for arm in arms}
         known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
         if not known:  # nothing measured anywhere: run every arm in turn
@@ -259,7 +266,9 @@ class MeasuredArms:
             if waited >= interval:
                 overdue.append((waited / interval, arm))
         if overdue:
+            self._held = None
             return self._explore(bucket, max(overdue, key=lambda o: o[0])[1])
+        self._held = (key, chosen, bucket.steps + HOLD_STEPS)
         return self._ran(bucket, chosen)
 
     def _saving(

@@ -250,3 +250,19 @@ def test_batch_16_drafts_though_one_prompts_catch_up_is_dear_per_row() -> None:
         only_per_row.observe(16, False, TREE, 0.0039, 16 * 4)
     only_per_row.observe_catch_up(1, False, TREE, 0.013, 64, timed_alone=True)
     assert only_per_row.choose(16, False, [NO_SPEC, TREE], 1024, tokens_left=200) == NO_SPEC
+
+
+def test_a_choice_stands_a_few_steps_then_is_made_afresh() -> None:
+    """Making the choice costs host time every step; it stands HOLD_STEPS steps of the same
+    bucket (while the MTP modules stay behind, or caught up), then new costs decide."""
+    from engine.spec.arms import HOLD_STEPS
+
+    arms = MeasuredArms(explore_every=10_000)
+    for _ in range(3):
+        arms.observe(16, False, NO_SPEC, 0.001, 16)
+        arms.observe(16, False, CHAIN, 0.004, 32)
+    assert arms.choose(16, False, [NO_SPEC, CHAIN]) == NO_SPEC
+    for _ in range(6):
+        arms.observe(16, False, CHAIN, 0.001, 64)  # the chain becomes 4x cheaper
+    held = [arms.choose(16, False, [NO_SPEC, CHAIN]) for _ in range(HOLD_STEPS)]
+    assert held == [NO_SPEC] * (HOLD_STEPS - 1) + [CHAIN]
