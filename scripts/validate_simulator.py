@@ -109,12 +109,12 @@ def main() -> None:
         seed = 0 if temperature == 0.0 else None
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=seed)
         wide = LLMEngine.from_pretrained(
-            args.model, spec=SpecConfig(method="tree", topk=3, depth=6, num_draft_tokens=16), **load
+            args.model, spec=SpecConfig(method="tree", topk=4, depth=6, num_draft_tokens=24), **load
         )
         wide.generate(calib, sp)
         stats = AcceptanceStats.from_dict(wide.acceptance_snapshot())
         # The latency model the adaptive scheduler uses: real forwards timed on this device...
-        forwards = calibrate_latency(wide, TreeBudget(topk=3, depth=6, num_draft_tokens=16))
+        forwards = calibrate_latency(wide, TreeBudget(topk=4, depth=6, num_draft_tokens=24))
         # ... plus host overheads measured on whole engine steps over the calibration prompts.
         latency = _with_host_overheads(forwards, args.model, load, calib, sp)
         print(f"host overheads: {latency.to_dict()}", flush=True)

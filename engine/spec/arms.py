@@ -21,8 +21,10 @@ steps. An arm only extrapolated to this bucket is measured within ``explore_ever
 it may win here (``_worth_measuring``) and would pay its catch-up.
 
 A drafting step after autoregressive steps (or for requests just admitted) first catches the MTP
-modules up over every row they are behind. Its cost is measured per row and counted, for the
-rows behind now, in the cost of an exploring run and of drafting: a drafting arm behind by some
+modules up over every row they are behind. Its cost (a fixed part plus a part per row,
+``engine.spec.catch_up_cost``: calibrated at start-up, refitted to every catch-up measured) is
+counted, for the rows behind now, in the cost of an exploring run and of drafting (and of a run
+of autoregressive steps while drafting: coming back needs one): a drafting arm behind by some
 rows is chosen only if what it saves over the tokens the batch may still generate (its
 requests' max_tokens left, at most ``MAX_HORIZON_TOKENS`` each) exceeds its catch-up and
 ``DRAIN_STEPS`` of its steps (drafting spreads the steps at which requests finish). So a
