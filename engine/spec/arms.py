@@ -49,6 +49,8 @@ SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its
 DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its batch draining unevenly
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
 MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
+EXTRAPOLATION_MARGIN = 0.5  # per batch doubling an estimate is extrapolated over, in a switch
+FLOOR_RISE = 0.05  # EWMA weight of a dearer step in an arm's floor cost per token
 HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it is made afresh
 
 
@@ -67,8 +69,16 @@ class StepCost:
     tokens: float
     count: int
     fastest: float = float("inf")
+    # Seconds per token when the host is not disturbed: follows a cheaper step at once, a
+    # dearer one slowly (what a switch away from this arm is weighed against).
+    floor: float = float("inf")
 
     def add(self, seconds: float, rows: int, tokens: int) -> None:
+        per_token = seconds / max(tokens, 1)
+        if per_token < self.floor:
+            self.floor = per_token
+        else:
+            self.floor += (per_token - self.floor) * FLOOR_RISE
         self.fastest = min(self.fastest, seconds)
         seconds = min(seconds, 2 * self.fastest)
         self.seconds = min(self.seconds, 2 * self.fastest)
@@ -125,7 +135,9 @@ class MeasuredArms:
         bucket = self._bucket(batch_size.bit_length(), sampled)
         cost = bucket.costs.get(arm)
         if cost is None:
-            bucket.costs[arm] = StepCost(seconds, float(batch_size), float(tokens), 1, seconds)
+            bucket.costs[arm] = StepCost(
+                seconds, float(batch_size), float(tokens), 1, seconds, seconds / tokens
+            )
         else:
             cost.add(seconds, batch_size, tokens)
         if arm.speculates:
@@ -222,16 +234,33 @@ class MeasuredArms:
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(lag_rows)
         base = estimates[arms[0]]
+        # A switch to drafting is weighed against autoregressive decoding measured here, at
+        # its floor cost: its steps' cost varies with the host's load, and a switch decided on
+        # a dear moment pays its catch-up for nothing (the H200's batch 64 did).
+        measured_ar = bucket.costs.get(arms[0])
+        base_cost = None
+        if measured_ar is not None and measured_ar.count >= MIN_MEASURED and base is not None:
+            base_cost = min(base.per_token, measured_ar.floor)
 
         def pays(arm: TreeBudget) -> bool:
             est = estimates[arm]
-            if not arm.speculates or catch_up <= 0 or est is None or base is None:
+            if not arm.speculates or catch_up <= 0:
                 return True
+            if est is None or base_cost is None:
+                # Autoregressive decoding not measured here yet: its few steps cost what the
+                # baseline's do, while a line extrapolated from small batches can put it at
+                # ten times its cost (the H200's noise at batch 4, drawn out to 64).
+                return False
             # Charged on top of the catch-up: under speculation the batch's sequences finish at
             # different steps, the last steps carrying few of them, which steady steps do not
             # show (nor does the catch-up).
             drain = DRAIN_STEPS * est.step
-            return self._saving(est, base, batch_size, sampled, arm, tokens_left) > catch_up + drain
+            # An estimate extrapolated from smaller batches (a line through two of them) is
+            # optimistic as far as its host work per sequence was measured short; it must
+            # clear the cost by a margin growing with the doublings it spans.
+            margin = 1.0 if est.source >= target else 1.0 + EXTRAPOLATION_MARGIN * (target - est.source)
+            saving = self._saving(est, base_cost, batch_size, sampled, arm, tokens_left)
+            return saving > margin * (catch_up + drain)
 
         best = arms[min(known)[1]]
         chosen = best if pays(best) else arms[0]
@@ -264,6 +293,12 @@ class MeasuredArms:
                 # The catch-up defers a run by at most MAX_EXPLORE_INTERVAL steps: an estimate
                 # of it that forbade re-measuring (one timed during a stall) would stand forever.
                 interval = max(steady, min(steady + extra, float(MAX_EXPLORE_INTERVAL)))
+                # Nor may a run's catch-up exceed that share of the time the batch may still
+                # decode (a catch-up over hundreds of prompts of short requests would).
+                if arm.speculates and catch_up > 0 and tokens_left is not None:
+                    horizon = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size * chosen_cost
+                    if catch_up > share * horizon:
+                        interval = float(MAX_EXPLORE_INTERVAL)
             waited = bucket.steps - bucket.last_run.get(arm, 0)
             if waited >= interval:
                 overdue.append((waited / interval, arm))
@@ -274,10 +309,11 @@ class MeasuredArms:
         return self._ran(bucket, chosen)
 
     def _saving(
-        self, new: _Estimate, base: _Estimate, batch_size: int, sampled: bool, arm: TreeBudget,
+        self, new: _Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,
         tokens_left: float | None,
     ) -> float:
-        """Seconds drafting with ``new`` saves against autoregressive decoding (``base``) over
+        """Seconds drafting with ``new`` saves against autoregressive decoding (``base_cost``
+        seconds per token) over
         the horizon: the tokens the batch may still generate, at most ``MAX_HORIZON_TOKENS``
         per sequence (a request usually stops before its max_tokens), or ``SWITCH_HORIZON``
         steps when that is unknown. A switch to drafting must save more than the MTP catch-up
@@ -288,7 +324,7 @@ class MeasuredArms:
         if tokens_left is None:
             tokens_left = SWITCH_HORIZON * self._yield.get((sampled, arm), (1.0, 0))[0]
         tokens = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size
-        return tokens * (base.per_token - new.per_token)
+        return tokens * (base_cost - new.per_token)
 
     def _worth_measuring(
         self, target: int, sampled: bool, arm: TreeBudget, est: _Estimate, baseline: TreeBudget,

@@ -266,3 +266,45 @@ def test_a_choice_stands_a_few_steps_then_is_made_afresh() -> None:
         arms.observe(16, False, CHAIN, 0.001, 64)  # the chain becomes 4x cheaper
     held = [arms.choose(16, False, [NO_SPEC, CHAIN]) for _ in range(HOLD_STEPS)]
     assert held == [NO_SPEC] * (HOLD_STEPS - 1) + [CHAIN]
+
+
+def test_a_switch_waits_for_autoregressive_decoding_measured_in_the_bucket() -> None:
+    """The H200's batch 64: autoregressive steps measured only at batches 1 and 4, the second
+    on a slow moment, draw a line that puts batch 64 at 10 ms a step (1.8 ms measured); a chain
+    measured at 16 then looks worth its catch-up of 64 prompts. No switch until autoregressive
+    decoding is measured in the bucket, and then the catch-up does not pay for 64 tokens."""
+    arms = MeasuredArms(explore_every=10_000)
+    arms.catch_up.calibrate([(64, 0.013), (1024, 0.031), (4096, 0.046)])
+    for _ in range(3):
+        arms.observe(1, False, NO_SPEC, 0.00118, 1)
+        arms.observe(4, False, NO_SPEC, 0.0016, 4)  # a slow moment
+        arms.observe(16, False, CHAIN, 0.0022, 16 * 3)
+    est = arms.estimate(7, False, NO_SPEC)
+    assert est is not None and est.step > 0.008  # the line drawn out to 64
+    lag = 64 * 55
+    for i in range(8):
+        assert arms.choose(64, False, [NO_SPEC, CHAIN], lag, tokens_left=64 - i) == NO_SPEC
+        arms.observe(64, False, NO_SPEC, 0.00184, 64)
+        lag += 64
+
+
+def test_a_switch_is_weighed_against_autoregressive_decoding_at_its_floor() -> None:
+    """Autoregressive steps of 1.8 ms, then a stretch at 2.4 ms (a busy host) that lifts their
+    average to 2.24 ms: a switch is weighed against what they cost undisturbed (the floor rises
+    slowly). 64 tokens x 64 sequences of a chain at 21.9 us per token save 54 ms against the
+    average, 36 ms against the floor: not worth a 37 ms catch-up and two 4.2 ms steps; twice
+    the tokens are."""
+
+    def measured() -> MeasuredArms:
+        arms = MeasuredArms(explore_every=10_000)
+        arms.catch_up.calibrate([(64, 0.013), (4096, 0.0366)])
+        for _ in range(3):
+            arms.observe(64, False, CHAIN, 0.0042, 64 * 3)
+        for seconds in [0.0018] * 4 + [0.0024] * 6:
+            arms.observe(64, False, NO_SPEC, seconds, 64)
+        return arms
+
+    cost = measured()._bucket(7, False).costs[NO_SPEC]
+    assert cost.seconds > 0.0022 and cost.floor < 0.0020 / 64
+    assert measured().choose(64, False, [NO_SPEC, CHAIN], 4096, tokens_left=64) == NO_SPEC
+    assert measured().choose(64, False, [NO_SPEC, CHAIN], 4096, tokens_left=128) == CHAIN
