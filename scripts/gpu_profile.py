@@ -164,40 +164,19 @@ def main() -> None:
         spec=SpecConfig(method="tree"),
         engine_config=cfg,
     )
-    ar = LLMEngine(
-        tree.model, tree.tokenizer, tree.eos_token_ids, SpecConfig(method="none"), cfg, tree.device
-    )
+
+    def sharing(method: str) -> LLMEngine:  # another engine over the same weights
+        return LLMEngine(tree.model, tree.tokenizer, tree.eos_token_ids, SpecConfig(method=method),
+                         cfg, tree.device)  # fmt: skip
+
+    ar = sharing("none")
     prompts = heldout_prompts(args.model, tree.tokenizer, 8, 64)  # type: ignore[arg-type]
     g = tree.graphed_tree
     assert g is not None and g.use_graphs, g.capture_error if g else "no graphed tree"
     st = ar.static_forward
     assert st is not None
-    adaptive = (
-        LLMEngine(
-            tree.model,
-            tree.tokenizer,
-            tree.eos_token_ids,
-            SpecConfig(method="adaptive"),
-            cfg,
-            tree.device,
-        )
-        if args.catch_up
-        else None
-    )
-    adaptive_ar = (
-        _adaptive_kept_autoregressive(
-            LLMEngine(
-                tree.model,
-                tree.tokenizer,
-                tree.eos_token_ids,
-                SpecConfig(method="adaptive"),
-                cfg,
-                tree.device,
-            )
-        )
-        if args.catch_up
-        else None
-    )
+    adaptive = sharing("adaptive") if args.catch_up else None
+    adaptive_ar = _adaptive_kept_autoregressive(sharing("adaptive")) if args.catch_up else None
     for b in batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
         buf = g._buffers[g._bucket(b)]
