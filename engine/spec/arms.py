@@ -313,14 +313,13 @@ class MeasuredArms:
         tokens_left: float | None,
     ) -> float:
         """Seconds drafting with ``new`` saves against autoregressive decoding (``base_cost``
-        seconds per token) over
-        the horizon: the tokens the batch may still generate, at most ``MAX_HORIZON_TOKENS``
-        per sequence (a request usually stops before its max_tokens), or ``SWITCH_HORIZON``
-        steps when that is unknown. A switch to drafting must save more than the MTP catch-up
-        it needs first (the prompts of requests just admitted, the tokens of autoregressive
-        steps): short requests at a batch where drafting hardly wins would pay one per
-        request; a batch growing through its prefill or shrinking as requests finish would pay
-        one at every flip of its best arm."""
+        seconds per token) over the horizon: the tokens the batch may still generate, at most
+        ``MAX_HORIZON_TOKENS`` per sequence (a request usually stops before its max_tokens), or
+        ``SWITCH_HORIZON`` steps when that is unknown. A switch to drafting must save more than
+        the MTP catch-up it needs first (the prompts of requests just admitted, the tokens of
+        autoregressive steps): short requests at a batch where drafting hardly wins would pay
+        one per request; a batch growing through its prefill or shrinking as requests finish
+        would pay one at every flip of its best arm."""
         if tokens_left is None:
             tokens_left = SWITCH_HORIZON * self._yield.get((sampled, arm), (1.0, 0))[0]
         tokens = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size
