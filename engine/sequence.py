@@ -55,8 +55,8 @@ class Sequence:
         self.mtp_committed = [0] * k
         self.pending_hidden = [None] * k
         self.pending_start = [0] * k
-        # Rows appended since the last read: (tensor, None) for all its rows, (tensor, i) for row i.
-        self._hidden_tail: list[list[tuple[torch.Tensor, int | None]]] = [[] for _ in range(k)]
+        # Row groups [n, H] appended since the last read.
+        self._hidden_tail: list[list[torch.Tensor]] = [[] for _ in range(k)]
         self._tail_end = [0] * k  # hidden index after the tail's last row (while it has rows)
 
     # ---- views ----
@@ -74,26 +74,25 @@ class Sequence:
         return self.num_uncomputed > 1 or len(self.tokens) == self.output_start
 
     # ---- MTP hidden-state queue ----
-    def push_hidden(self, depth: int, start: int, rows: torch.Tensor, row: int | None = None) -> None:
-        """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1; with
-        ``row``, the one row ``rows[row]`` of a batch's output (no tensor made per sequence).
+    def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:
+        """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1.
 
         Appending is O(1) host work: rows join a tail concatenated when next read
-        (``hidden_rows``), so an autoregressive step keeping MTP state launches no kernel and
-        creates no tensor per sequence (a long tail is folded in now and then)."""
+        (``hidden_rows``); a long tail is folded in now and then. (Autoregressive steps do not
+        append per sequence at all: ``engine.spec.hidden_log``.)"""
         if depth >= self.num_mtp_modules:
             return  # the last module's outputs feed nobody
         tail = self._hidden_tail[depth]
         if not tail:
             current = self.pending_hidden[depth]
             if current is None or current.shape[0] == 0:
-                self.pending_hidden[depth] = rows if row is None else rows[row : row + 1]
+                self.pending_hidden[depth] = rows
                 self.pending_start[depth] = start
                 return
             self._tail_end[depth] = self.pending_start[depth] + current.shape[0]
         assert self._tail_end[depth] == start, "hidden rows out of order"
-        tail.append((rows, row))
-        self._tail_end[depth] = start + (1 if row is not None else rows.shape[0])
+        tail.append(rows)
+        self._tail_end[depth] = start + rows.shape[0]
         if len(tail) >= MAX_HIDDEN_TAIL:
             self.hidden_rows(depth)
 
@@ -103,8 +102,7 @@ class Sequence:
         if tail:
             current = self.pending_hidden[depth]
             parts = [current] if current is not None and current.shape[0] else []
-            parts += [rows if row is None else rows[row : row + 1] for rows, row in tail]
-            self.pending_hidden[depth] = torch.cat(parts, dim=0)
+            self.pending_hidden[depth] = torch.cat(parts + tail, dim=0)
             tail.clear()
         return self.pending_hidden[depth]
 

@@ -243,19 +243,19 @@ def test_adaptive_batch_summary_is_updated_after_autoregressive_steps(small_voca
 
 
 def test_hidden_rows_out_of_order_are_refused() -> None:
-    """The MTP queue of a sequence takes rows in hidden-index order only, one row of a batch's
-    output or several, and gives them back in that order."""
+    """The MTP queue of a sequence takes rows in hidden-index order only and gives them back in
+    that order."""
     from engine.sequence import Sequence
 
     seq = Sequence("r", [1, 2, 3], SamplingParams(), None, num_mtp_modules=2)
     batch = torch.arange(12.0).view(3, 4)  # [3, H=4]: three sequences' rows of one step
     seq.push_hidden(0, 0, torch.zeros(2, 4))
-    seq.push_hidden(0, 2, batch, row=1)
+    seq.push_hidden(0, 2, batch[1:2])
     seq.push_hidden(0, 3, batch[:2])
     with pytest.raises(AssertionError, match="out of order"):
-        seq.push_hidden(0, 7, batch, row=0)
+        seq.push_hidden(0, 7, batch[:1])
     rows = seq.hidden_rows(0)
     assert rows is not None and rows.shape == (5, 4)
     assert torch.equal(rows[2], batch[1]) and torch.equal(rows[3:], batch[:2])
-    seq.push_hidden(0, 5, batch, row=2)  # after a read, appending goes on where it stopped
+    seq.push_hidden(0, 5, batch[2:])  # after a read, appending goes on where it stopped
     assert torch.equal(seq.hidden_rows(0)[5], batch[2])  # type: ignore[index]
