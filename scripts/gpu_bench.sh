@@ -14,7 +14,9 @@
 # 180), DEADLINE_S (default 540: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
 # BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep), VALIDATE_PROMPTS
-# (default 8: prompts of the simulator validation),
+# (default 8: prompts of the simulator validation), TRACE_BATCHES (e.g. 4,16,64: then
+# scripts/adaptive_trace.py runs after the sweep, at most TRACE_S seconds (default 90), into
+# adaptive-trace.txt, before the validation takes the time left),
 # MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,11 @@ ELAPSED=$(( $(date +%s) - START ))
 LIMIT=$(( DEADLINE_S - ELAPSED - 90 ))
 if [ "$LIMIT" -lt 30 ]; then LIMIT=30; fi
 echo "== benchmark (elapsed ${ELAPSED} s; sweep points start within ${LIMIT} s)"
+if [ "$LIMIT" -lt 120 ]; then
+    # Loading the model and the float32 check of every mode take ~40-60 s of the limit: a run
+    # with DEADLINE_S=330 after training once timed nothing.
+    echo "== warning: ${LIMIT} s may not leave time for any timed point (raise DEADLINE_S)"
+fi
 "$PY" -m engine bench offline --model "$MODEL" --device cuda --dtype bfloat16 \
     --check-dtype float32 --check-batch 8 \
     --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures 0,0.7 \
@@ -51,6 +58,14 @@ echo "== benchmark (elapsed ${ELAPSED} s; sweep points start within ${LIMIT} s)"
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
+LEFT=$(( END_S - ($(date +%s) - START) ))
+if [ -n "${TRACE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
+    TRACE_LIMIT=$(( LEFT < ${TRACE_S:-90} ? LEFT : ${TRACE_S:-90} ))
+    echo "== adaptive trace at batches ${TRACE_BATCHES} (${TRACE_LIMIT} s)"
+    timeout "$TRACE_LIMIT" "$PY" scripts/adaptive_trace.py --model "$MODEL" --device cuda \
+        --batch-sizes "$TRACE_BATCHES" > "$OUT/adaptive-trace.txt" 2>&1 \
+        || echo "== adaptive trace exited with status $?"
+fi
 LEFT=$(( END_S - ($(date +%s) - START) ))
 if [ "$LEFT" -gt 40 ]; then
     echo "== simulator validation (${LEFT} s left)"
