@@ -137,3 +137,25 @@ def test_adaptive_with_logged_rows_keeps_the_autoregressive_tokens(
     assert logged >= 3
     *_, accepted_at_once = run(SpecConfig(method="adaptive"), log_steps=1)
     assert accepted == accepted_at_once > 0
+
+
+def test_aborted_and_closed_sequences_leave_nothing_behind_in_the_log(small_vocab_dir: Path) -> None:
+    """A request aborted and a session closed while their rows are logged: the next flush skips
+    them, the engine goes on with another request, and every block is zeroed and free."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    eng.adaptive.choose = lambda *a, **k: NO_SPEC  # type: ignore[method-assign]
+    eng.open_session("s")
+    eng.add_request("a", [1, 2, 3, 4], GREEDY)
+    eng.add_request("t", [2, 3, 4], GREEDY, session_id="s")
+    for _ in range(5):
+        eng.step()
+    assert len(eng._hidden_log) >= 3
+    eng.abort_request("a")
+    eng.abort_request("t")
+    eng.close_session("s")
+    out = eng.generate([[3, 4, 5]], GREEDY)[0]  # its prefill flushes the log
+    assert len(out.token_ids) == GREEDY.max_tokens and len(eng._hidden_log) > 0
+    eng._hidden_log.flush()
+    assert eng.kv_blocks_used == 0
+    assert torch.count_nonzero(eng.pool.kv_cache) == 0
