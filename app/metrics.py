@@ -73,6 +73,12 @@ class Metrics:
         # depths nothing has reached yet.
         for position in range(PRECREATED_POSITIONS):
             self.accepted_per_position.labels(position=str(position))
+        self.decode_steps = Counter(
+            p + "decode_steps",
+            "Engine decode steps by draft budget (none, chain-D, tree-KxD-N): what adaptive "
+            "speculation chose.",
+            ["budget"], registry=r,
+        )  # fmt: skip
         self.requests = Counter(
             p + "requests", "Requests by tenant and status.", ["tenant", "status"], registry=r
         )
@@ -110,8 +116,12 @@ class MetricsObserver:
     def on_admit(self, owner: str, queue_seconds: float) -> None:
         self.metrics.queue_time.observe(queue_seconds)
 
-    def on_step(self, outputs: Sequence[Any], step_seconds: float) -> None:
+    def on_step(
+        self, outputs: Sequence[Any], step_seconds: float, decode_budget: str | None = None
+    ) -> None:
         m = self.metrics
+        if decode_budget is not None:
+            m.decode_steps.labels(budget=decode_budget).inc()
         for out in outputs:
             accepted = getattr(out, "step_accepted", None)
             if accepted is None:

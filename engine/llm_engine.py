@@ -41,7 +41,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_stats import AcceptanceCounter
-from engine.spec.adaptive import AdaptiveController, calibrate_catch_up
+from engine.spec.adaptive import AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget
 from engine.spec.graphed_sampled import GraphedSampledTree
@@ -167,6 +167,10 @@ class LLMEngine:
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
             # What a switch to drafting costs, before the first one is measured.
             self.adaptive.arms.catch_up.calibrate(calibrate_catch_up(self))
+        # The draft budget of the last step's decode (``budget_label``; None: it decoded
+        # nothing): what the metrics count per budget, adaptive speculation's choices.
+        self.last_decode_budget: str | None = None
+        self._labels: dict[TreeBudget, str] = {}
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
         # Adaptive: the batch summary after an autoregressive step, for the next step's choice.
@@ -391,11 +395,16 @@ class LLMEngine:
             self._hidden_log.flush()  # a session's next turn continues its MTP rows
             self._prefill(plan.prefill, outputs)
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
+        self.last_decode_budget = None
         self._step_caught_up = False
         self._catch_up_s = None
         self._step_tokens = 0
         if decode:
             budget, lag, sampled = self._choose_budget(decode)
+            label = self._labels.get(budget)
+            if label is None:
+                label = self._labels[budget] = budget_label(budget)
+            self.last_decode_budget = label
             if self.adaptive is not None and plan.prefill:
                 self._wait_for_device()  # time the decode work alone
             start = time.perf_counter()

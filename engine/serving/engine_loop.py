@@ -302,7 +302,8 @@ class EngineLoop:
             log.exception("engine step failed; failing the running requests")
             self._fail_all(RequestFailed("the engine failed while generating"))
             return
-        self._observer.on_step(outputs, time.perf_counter() - started)
+        budget = getattr(self._engine, "last_decode_budget", None)
+        self._observer.on_step(outputs, time.perf_counter() - started, budget)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -27,8 +27,12 @@ class LoopObserver(Protocol):
     def on_admit(self, owner: str, queue_seconds: float) -> None:
         """A request left the loop's waiting queue and was handed to the engine."""
 
-    def on_step(self, outputs: Sequence[Any], step_seconds: float) -> None:
-        """One ``engine.step()`` returned these ``RequestOutput`` objects."""
+    def on_step(
+        self, outputs: Sequence[Any], step_seconds: float, decode_budget: str | None = None
+    ) -> None:
+        """One ``engine.step()`` returned these ``RequestOutput`` objects; its decode ran with
+        draft budget ``decode_budget`` (``none``, ``chain-4``, ``tree-4x6-32``; None: no
+        decode)."""
 
     def on_stats(self, stats: LoopStats) -> None:
         """Occupancy changed (called after each step and after commands)."""
@@ -43,7 +47,9 @@ class NullObserver:
     def on_admit(self, owner: str, queue_seconds: float) -> None:
         return None
 
-    def on_step(self, outputs: Sequence[Any], step_seconds: float) -> None:
+    def on_step(
+        self, outputs: Sequence[Any], step_seconds: float, decode_budget: str | None = None
+    ) -> None:
         return None
 
     def on_stats(self, stats: LoopStats) -> None:

@@ -86,6 +86,7 @@ class FakeEngine:
         self.step_delay_s = step_delay_s
         self.max_batch = max_batch
         self.fail_next_step = False
+        self.last_decode_budget: str | None = None
         self.eos_after: int | None = None  # emit EOS after this many generated tokens
         self._requests: dict[str, _Seq] = {}
         self._sessions: dict[str, _Seq] = {}
@@ -194,6 +195,7 @@ class FakeEngine:
         outputs = []
         for seq in list(self._requests.values())[: self.max_batch]:
             outputs.append(self._advance(seq))
+        self.last_decode_budget = "chain-2" if outputs else None
         return outputs
 
     def _advance(self, seq: _Seq) -> RequestOutput:

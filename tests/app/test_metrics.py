@@ -44,5 +44,6 @@ async def test_metrics_text_parses_and_counts() -> None:
         first = samples[("mtpserve_spec_accepted_tokens_per_position_total", (("position", "0"),))]
         assert steps > 0 and 0 < first <= steps and accepted >= first
         assert samples[("mtpserve_kv_blocks_total", ())] == 1000
+        assert samples[("mtpserve_decode_steps_total", (("budget", "chain-2"),))] > 0
         assert "hello" not in resp.text  # no prompt text anywhere
         assert acceptance.status_code == 200 and acceptance.json()["per_depth"] == [0.5, 0.25]

@@ -259,3 +259,19 @@ def test_hidden_rows_out_of_order_are_refused() -> None:
     assert torch.equal(rows[2], batch[1]) and torch.equal(rows[3:], batch[:2])
     seq.push_hidden(0, 5, batch[2:])  # after a read, appending goes on where it stopped
     assert torch.equal(seq.hidden_rows(0)[5], batch[2])  # type: ignore[index]
+
+
+def test_each_step_reports_the_draft_budget_its_decode_ran_with(small_vocab_dir: Path) -> None:
+    """``last_decode_budget`` (what the metrics count per budget): None for a step that only
+    prefilled, the budget's label for a decode."""
+    from engine.spec.adaptive import budget_label
+
+    for method in ("none", "tree"):
+        eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method=method))
+        eng.add_request("r", [1, 2, 3, 4, 5, 0, 1], SamplingParams(max_tokens=6, temperature=0.0))
+        seen = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            seen.append(eng.last_decode_budget)
+        assert seen[0] is None  # the prefill step decoded nothing
+        assert set(seen[1:]) == {budget_label(eng.budget)}, seen
