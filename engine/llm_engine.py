@@ -43,7 +43,7 @@ from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
-from engine.spec.drafter import MTPDrafter, TreeBudget
+from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_sampled import GraphedSampledTree
 from engine.spec.graphed_tree import GraphedGreedyTree, GraphedTreeStep
 from engine.spec.hidden_log import HiddenLog
@@ -170,7 +170,6 @@ class LLMEngine:
         # The draft budget of the last step's decode (``budget_label``; None: it decoded
         # nothing): what the metrics count per budget, adaptive speculation's choices.
         self.last_decode_budget: str | None = None
-        self._labels: dict[TreeBudget, str] = {}
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
         # Adaptive: the batch summary after an autoregressive step, for the next step's choice.
@@ -401,12 +400,9 @@ class LLMEngine:
         self._step_tokens = 0
         if decode:
             budget, lag, sampled = self._choose_budget(decode)
-            label = self._labels.get(budget)
-            if label is None:
-                label = self._labels[budget] = budget_label(budget)
-            self.last_decode_budget = label
+            self.last_decode_budget = budget_label(budget)
             if self.adaptive is not None and plan.prefill:
-                self._wait_for_device()  # time the decode work alone
+                self.wait_for_device()  # time the decode work alone
             start = time.perf_counter()
             if budget.speculates:
                 self._hidden_log.flush()
@@ -420,7 +416,7 @@ class LLMEngine:
             else:
                 self._autoregressive_step(decode, outputs)
             if self.adaptive is not None:
-                self._wait_for_device()
+                self.wait_for_device()
                 seconds = time.perf_counter() - start
                 if self._catch_up_s is not None:  # timed alone: the rest is a steady step
                     self.adaptive.observe_catch_up(
@@ -435,7 +431,7 @@ class LLMEngine:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
         return outputs
 
-    def _wait_for_device(self) -> None:
+    def wait_for_device(self) -> None:
         """Wait for the work queued on the device (adaptive speculation times its steps). The
         stream's own wait: ``torch.cuda.synchronize`` switches devices around it (0.08 ms a call
         under a profiler on the H200's host, against 0.8 ms for a whole batch-16 step)."""
@@ -468,7 +464,7 @@ class LLMEngine:
         with the batch): rows the MTP modules are behind beyond a steady speculative step's
         catch-up (the prompts of new requests, the tokens of autoregressive steps), tokens each
         sequence may still generate on average, and whether any sequence samples."""
-        steady = self.budget.depth + 3
+        steady = steady_catch_up_rows(self.budget.depth)
         lag = left = 0
         greedy = True
         for s in seqs:
@@ -544,7 +540,7 @@ class LLMEngine:
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
     ) -> None:
         assert self.drafter is not None
-        steady = budget.depth + 3  # rows module 1 catches up after a speculative step, at most
+        steady = steady_catch_up_rows(budget.depth)
         if any(len(s.tokens) - 1 - s.mtp_committed[0] > steady for s in seqs):
             self._step_caught_up = True  # catching up after AR steps: not a steady-state cost
         t0 = time.perf_counter()
@@ -621,7 +617,7 @@ class LLMEngine:
             start = time.perf_counter()
             self.drafter.catch_up(lagging)
             if self.adaptive is not None:
-                self._wait_for_device()
+                self.wait_for_device()
                 self._catch_up_s = (self._catch_up_s or 0.0) + time.perf_counter() - start
             self._step_caught_up = True
             ready = [ok or fast.eligible(s) for s, ok in zip(seqs, ready, strict=True)]

@@ -36,7 +36,7 @@ from engine.params import SamplingParams
 from engine.sequence import SeqStatus, Sequence
 from engine.simulator import AcceptanceStats, LatencyModel, SpeculationPlanner
 from engine.spec.arms import MeasuredArms
-from engine.spec.drafter import TreeBudget
+from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -225,8 +225,8 @@ def calibrate_catch_up(
     if prompts is None:
         prompts = (1, 4) if engine.device.type == "cpu" else (1, 16, 64)
     cfg = engine.model_config
-    # Rows the engine counts as behind exclude a steady step's slack (``_decode_summary``).
-    slack = engine.budget.depth + 3
+    # Rows the engine counts as behind exclude a steady step's (``_decode_summary``).
+    slack = steady_catch_up_rows(engine.budget.depth)
     length = rows_per_prompt + slack + 1  # tokens: the last one is the pending token
     blocks_per_seq = -(-(length + 1) // pool.block_size)
     dtype = next(engine.model.parameters()).dtype
@@ -250,20 +250,15 @@ def calibrate_catch_up(
                     hidden = torch.randn(length - 1, cfg.hidden_size, generator=gen).to(engine.device, dtype)
                     seq.push_hidden(0, 0, hidden)
                     seqs.append(seq)
-                _synchronize(engine.device)
+                engine.wait_for_device()
                 start = time.perf_counter()
                 drafter.catch_up(seqs)
-                _synchronize(engine.device)
+                engine.wait_for_device()
                 best = min(best, time.perf_counter() - start)
             points.append((n * rows_per_prompt, best))
         finally:
             pool.free(blocks)  # zeroes what the catch-up wrote
     return points
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time(fn: object, device: torch.device, repeats: int = 3) -> float:

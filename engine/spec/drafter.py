@@ -41,6 +41,7 @@ from engine.sequence import Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.tree import DraftTree, select_best_nodes
 
+CATCH_UP_SLACK = 2  # extra catch-up rows: an AR step or two between speculative steps is fine
 _CACHED_MASK_ROWS = 32  # masks of at most this many rows are kept (a step's rows, not a prompt's)
 
 
@@ -88,6 +89,13 @@ class TreeBudget:
     @property
     def speculates(self) -> bool:
         return self.num_draft_tokens > 0 and self.depth > 0
+
+
+def steady_catch_up_rows(depth: int) -> int:
+    """Rows module 1 may be behind after a speculative step of ``depth`` draft depths: its
+    accepted path (at most ``depth + 1`` tokens) and ``CATCH_UP_SLACK``. The graphed step
+    catches up that many in-graph; adaptive speculation counts rows beyond it as a lag."""
+    return depth + 1 + CATCH_UP_SLACK
 
 
 @dataclass

@@ -9,7 +9,7 @@ that depend only on the batch bucket. So each step is two CUDA-graph replays (dr
 accept, then rollback) and one small device-to-host copy of the accepted tokens.
 
 Static shapes (per sequence; K = topk, D = depth, N = tree nodes, k = MTP modules, P = D + 1
-nodes on an accepted path, C = P + CATCH_UP_SLACK catch-up rows):
+nodes on an accepted path, C = P + CATCH_UP_SLACK catch-up rows, ``steady_catch_up_rows``):
 
 - module d <= k gets C catch-up rows (the first ``c`` valid: the tokens committed since its last
   step, 1 <= c <= C; the slack lets an autoregressive step or two come in between)
@@ -51,10 +51,9 @@ from engine.spec.device_tree import (
     logprob_topk,
     select_nodes,
 )
-from engine.spec.drafter import TreeBudget
+from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-CATCH_UP_SLACK = 2  # extra catch-up rows: an AR step or two between speculative steps is fine
 
 
 @dataclass
@@ -197,7 +196,7 @@ class GraphedTreeStep:
         self.model, self.pool = model, pool
         self.k = cfg.num_mtp_modules
         self.D, self.N = depth, num_nodes
-        self.C = self.D + 1 + CATCH_UP_SLACK
+        self.C = steady_catch_up_rows(self.D)
         self.budget = budget
         self.hidden_size = cfg.hidden_size
         self.num_main_layers = cfg.num_hidden_layers
