@@ -44,6 +44,7 @@ from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
+from engine.spec.graphed_catch_up import GraphedCatchUp
 from engine.spec.graphed_sampled import GraphedSampledTree
 from engine.spec.graphed_tree import GraphedGreedyTree, GraphedTreeStep
 from engine.spec.hidden_log import HiddenLog
@@ -155,6 +156,10 @@ class LLMEngine:
                 engine_config.max_batch_size, use_graphs=device.type == "cuda",
             )  # fmt: skip
             if self.drafter is not None and self.budget.speculates:
+                self.drafter.static_catch_up = GraphedCatchUp(
+                    model, self.pool, max_blocks, engine_config.max_batch_size,
+                    use_graphs=device.type == "cuda",
+                )  # fmt: skip
                 budgets = [self.budget]
                 if spec.method == "adaptive":  # a chain arm too, for large batches
                     budgets.append(self._chain_budget)
@@ -360,6 +365,8 @@ class LLMEngine:
         blocks = list(self.static_forward.scratch) if self.static_forward is not None else []
         for runner in self._graphed_runners:
             blocks += runner.scratch
+        if self.drafter is not None and self.drafter.static_catch_up is not None:
+            blocks += self.drafter.static_catch_up.scratch
         return blocks
 
     def drain_zero_events(self) -> list[ZeroEvent]:

@@ -146,6 +146,7 @@ def main() -> None:
         ("tree-graphed", SpecConfig(method="tree"), cfg8),
         ("tree-host", SpecConfig(method="tree"), EngineConfig(max_batch_size=8, kv_memory_bytes=2 << 30, cuda_graphs=False)),
         ("chain-graphed", SpecConfig(method="chain"), cfg8),
+        ("adaptive-graphed", SpecConfig(method="adaptive"), cfg8),  # catches up after AR steps
     ]:
         t0 = time.perf_counter()
         eng = LLMEngine.from_pretrained(args.model, device="cuda", dtype="float32", spec=spec, engine_config=ecfg)
@@ -155,6 +156,10 @@ def main() -> None:
         if eng.graphed_tree is not None:
             row["graphs"] = eng.graphed_tree.use_graphs
             row["capture_error"] = eng.graphed_tree.capture_error
+        static_catch_up = eng.drafter.static_catch_up if eng.drafter is not None else None
+        if static_catch_up is not None:  # prompts and lags caught up by graph replays
+            row["catch_up_graphs"] = static_catch_up.use_graphs
+            row["catch_up_capture_error"] = static_catch_up.capture_error
         calls = _count_graphed(eng)
         outs = eng.generate(prompts, sp)
         one = eng.generate(prompts[:2], sp) + eng.generate(prompts[2:3], sp)

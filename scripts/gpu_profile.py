@@ -87,13 +87,17 @@ def _catch_up_profile(eng: LLMEngine, prompt: list[int]) -> str:
     return head + averages.table(sort_by="self_cpu_time_total", row_limit=45)
 
 
-def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]]) -> dict[str, float]:
+def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]], eager: bool = False) -> dict[str, float]:
     """The MTP catch-up over freshly prefilled prompts (an adaptive engine leaves it to the first
-    drafting step): milliseconds, rows and milliseconds per row, best of 3."""
+    drafting step): milliseconds, rows and milliseconds per row, best of 3. ``eager``: without
+    the engine's captured catch-up shapes (``engine.spec.graphed_catch_up``)."""
     from engine.spec.adaptive import NO_SPEC
 
     assert eng.adaptive is not None and eng.drafter is not None
     eng.adaptive.choose = lambda *a, **k: NO_SPEC  # type: ignore[method-assign]
+    static = eng.drafter.static_catch_up
+    if eager:
+        eng.drafter.static_catch_up = None
     best, rows = float("inf"), 0
     for _ in range(3):
         sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -110,7 +114,9 @@ def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]]) -> dict[str, float]:
         best = min(best, (time.perf_counter() - t0) * 1e3)
         for rid in list(eng._requests):
             eng.abort_request(rid)
-    return {"catch_up_ms": best, "rows": rows, "ms_per_row": best / max(rows, 1)}
+    eng.drafter.static_catch_up = static
+    prefix = "eager_" if eager else ""
+    return {f"{prefix}catch_up_ms": best, "rows": rows, f"{prefix}ms_per_row": best / max(rows, 1)}
 
 
 def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 24) -> str:
@@ -190,6 +196,7 @@ def main() -> None:
         }
         if adaptive is not None and adaptive_ar is not None:
             row.update(_catch_up_ms(adaptive, batch_prompts))
+            row.update(_catch_up_ms(adaptive, batch_prompts, eager=True))
             # Interleaved with the baseline's: the host's speed drifts.
             pairs = [(_steady_step_ms(ar, batch_prompts), _steady_step_ms(adaptive_ar, batch_prompts))
                      for _ in range(3)]  # fmt: skip

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from engine.sampling import probs_from_logits, sample_without_replacement
 from engine.sequence import Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.tree import DraftTree, select_best_nodes
+
+if TYPE_CHECKING:
+    from engine.spec.graphed_catch_up import GraphedCatchUp
 
 CATCH_UP_SLACK = 2  # extra catch-up rows: an AR step or two between speculative steps is fine
 _CACHED_MASK_ROWS = 32  # masks of at most this many rows are kept (a step's rows, not a prompt's)
@@ -127,6 +131,9 @@ class MTPDrafter:
         self.num_modules = model.config.num_mtp_modules
         self.reuse_last_module = reuse_last_module
         self.device = pool.kv_cache.device
+        # Static shapes / CUDA graphs for catching up many rows (set by the engine when it
+        # runs static paths); None: eager forwards.
+        self.static_catch_up: GraphedCatchUp | None = None
 
     # ---- catch-up + drafting ----
     def draft(
@@ -181,34 +188,44 @@ class MTPDrafter:
         return [self._finish_tree(d, budget) for d in drafts]
 
     def catch_up(self, seqs: list[Sequence]) -> None:
-        """Catch every module up to all but its newest committed row (after a prefill).
+        """Catch every module up to all but its newest committed row (after a prefill, or after
+        autoregressive steps).
 
         That leaves each sequence in the state a speculative step leaves behind (one row to go
-        per module), so its first decode step can already take the graphed path
-        (``engine.spec.graphed_tree``) instead of catching up the whole prompt on the host.
+        per module), so its next decode step can take the graphed path
+        (``engine.spec.graphed_tree``). With ``static_catch_up`` the rows go through its
+        captured shapes (several passes for rows beyond its largest), else one eager forward.
         """
+        static = self.static_catch_up
+        limit = static.max_rows if static is not None else None
         for depth in range(1, self.num_modules + 1):
-            work = [(seq, self._catch_up_rows(seq, depth, keep=1)) for seq in seqs]
-            ready = [(seq, spec) for seq, spec in work if spec is not None]
-            if ready:
-                self._run_module(
-                    depth,
-                    [spec[0] for _, spec in ready],
-                    [seq for seq, _ in ready],
-                    [spec[1] for _, spec in ready],
-                    [spec[2] for _, spec in ready],
-                    [[] for _ in ready],
-                )
+            while True:
+                work = [(seq, self._catch_up_rows(seq, depth, keep=1, limit=limit)) for seq in seqs]
+                ready = [(seq, spec) for seq, spec in work if spec is not None]
+                if not ready:
+                    break
+                if static is None:
+                    self._run_module(depth, [spec[0] for _, spec in ready], [seq for seq, _ in ready],
+                                     [spec[1] for _, spec in ready], [spec[2] for _, spec in ready],
+                                     [[] for _ in ready])  # fmt: skip
+                    break
+                hidden = static.run(depth, [(seq, spec[0], spec[1]) for seq, spec in ready])
+                for (seq, (_, start, n)), h in zip(ready, hidden, strict=True):
+                    seq.mtp_committed[depth - 1] += n
+                    seq.push_hidden(depth, start, h)
 
     # ---- row construction ----
     def _catch_up_rows(
-        self, seq: Sequence, depth: int, keep: int = 0
+        self, seq: Sequence, depth: int, keep: int = 0, limit: int | None = None
     ) -> tuple[SeqRows, int, int] | None:
-        """Module ``depth``'s committed rows not yet computed, but the newest ``keep``:
-        (rows, first index, count)."""
+        """Module ``depth``'s committed rows not yet computed, but the newest ``keep``, at most
+        ``limit`` of them: (rows, first index, count)."""
         k_idx = len(seq.tokens) - 1
-        start, prev = seq.take_hidden(depth - 1, upto=k_idx - depth - keep)
         ctx = seq.mtp_committed[depth - 1]
+        upto = k_idx - depth - keep
+        if limit is not None:
+            upto = min(upto, ctx + limit - 1)
+        start, prev = seq.take_hidden(depth - 1, upto=upto)
         if prev is None or prev.shape[0] == 0:
             return None
         assert start == ctx, f"module {depth}: hidden rows start at {start}, committed {ctx}"
