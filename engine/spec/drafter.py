@@ -197,39 +197,49 @@ class MTPDrafter:
         captured shapes (several passes for rows beyond its largest), else one eager forward.
         """
         static = self.static_catch_up
-        limit = static.max_rows if static is not None else None
-        for depth in range(1, self.num_modules + 1):
-            while True:
-                work = [(seq, self._catch_up_rows(seq, depth, keep=1, limit=limit)) for seq in seqs]
-                ready = [(seq, spec) for seq, spec in work if spec is not None]
-                if not ready:
-                    break
-                if static is None:
+        if static is None:
+            for depth in range(1, self.num_modules + 1):
+                specs = [(seq, self._catch_up_rows(seq, depth, keep=1)) for seq in seqs]
+                ready = [(seq, spec) for seq, spec in specs if spec is not None]
+                if ready:
                     self._run_module(depth, [spec[0] for _, spec in ready], [seq for seq, _ in ready],
                                      [spec[1] for _, spec in ready], [spec[2] for _, spec in ready],
                                      [[] for _ in ready])  # fmt: skip
+            return
+        for depth in range(1, self.num_modules + 1):
+            while True:  # passes of at most ``max_rows`` rows per sequence
+                pending = [(seq, self._pending_rows(seq, depth, 1, static.max_rows)) for seq in seqs]
+                work = [(seq, start, prev) for seq, (start, prev) in pending if prev is not None]
+                if not work:
                     break
-                hidden = static.run(depth, [(seq, spec[0], spec[1]) for seq, spec in ready])
-                for (seq, (_, start, n)), h in zip(ready, hidden, strict=True):
-                    seq.mtp_committed[depth - 1] += n
-                    seq.push_hidden(depth, start, h)
+                for (seq, start, prev), out in zip(work, static.run(depth, work), strict=True):
+                    seq.mtp_committed[depth - 1] += prev.shape[0]
+                    seq.push_hidden(depth, start, out)
 
     # ---- row construction ----
-    def _catch_up_rows(
+    def _pending_rows(
         self, seq: Sequence, depth: int, keep: int = 0, limit: int | None = None
-    ) -> tuple[SeqRows, int, int] | None:
-        """Module ``depth``'s committed rows not yet computed, but the newest ``keep``, at most
-        ``limit`` of them: (rows, first index, count)."""
-        k_idx = len(seq.tokens) - 1
+    ) -> tuple[int, torch.Tensor | None]:
+        """Take module ``depth``'s committed rows not yet computed, but the newest ``keep``, at
+        most ``limit`` of them: (first hidden index, their depth-``depth - 1`` inputs [n, H] or
+        None). The first index is the module's committed count."""
         ctx = seq.mtp_committed[depth - 1]
-        upto = k_idx - depth - keep
+        upto = len(seq.tokens) - 1 - depth - keep
         if limit is not None:
             upto = min(upto, ctx + limit - 1)
         start, prev = seq.take_hidden(depth - 1, upto=upto)
         if prev is None or prev.shape[0] == 0:
-            return None
+            return start, None
         assert start == ctx, f"module {depth}: hidden rows start at {start}, committed {ctx}"
-        n = prev.shape[0]
+        return start, prev
+
+    def _catch_up_rows(self, seq: Sequence, depth: int, keep: int = 0) -> tuple[SeqRows, int, int] | None:
+        """Module ``depth``'s pending rows (``_pending_rows``) as a forward's rows:
+        (rows, first index, count)."""
+        start, prev = self._pending_rows(seq, depth, keep)
+        if prev is None:
+            return None
+        ctx, n = start, prev.shape[0]
         hidden_idx = list(range(start, start + n))
         tokens = [seq.tokens[t + depth] for t in hidden_idx]
         positions = [t + depth for t in hidden_idx]

@@ -11,7 +11,10 @@ Layout of a shape: sequence ``i`` owns rows ``[i*R, (i+1)*R)``: its ``n_i`` real
 then ``R - n_i`` padding rows that form a dummy sequence over the scratch blocks (the attention
 batch holds ``2S`` sequences: real 0, dummy 0, real 1, dummy 1, ...). Padding rows see only
 each other, write only scratch slots (zeroed after each replay), and their outputs are dropped,
-so the real rows get what ``MTPDrafter``'s eager forward computes. A sequence with more than the
+so the real rows get what ``MTPDrafter``'s eager forward computes. The host loads per sequence
+only its row count, first hidden index (= the module's committed entries), block table and
+tokens; the captured program derives every row's position, cache slot, context limit and mask
+(no per-row host work: at 64 prompts, per-row host work had cost as much as the eager forward). A sequence with more than the
 largest ``R`` rows to go is caught up in several passes; a later pass sees the earlier rows in
 the cache, as a chunked prefill does.
 
@@ -20,14 +23,15 @@ On CPU (``use_graphs=False``) the same padded code runs eagerly, which is how it
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
-from engine.batch_builder import SeqRows
 from engine.cuda_graphs import capture_or_run_eagerly
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
-from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.model.deepseek_v3 import DeepseekV3ForCausalLM, mtp_band_mask
 from engine.sequence import Sequence
 
 # (sequences, rows per sequence) captured: a prompt's rows, a lag of a few hundred tokens.
@@ -37,6 +41,8 @@ DEFAULT_SHAPES: tuple[tuple[int, int], ...] = (
     (1, 256), (4, 256), (16, 256),
 )  # fmt: skip
 
+_N, _START = range(2)  # columns of _ShapeBuffers.meta
+
 
 class _ShapeBuffers:
     """Static inputs and output of one (sequences, rows) shape; at rest, all rows are padding."""
@@ -44,26 +50,17 @@ class _ShapeBuffers:
     def __init__(self, seqs: int, rows: int, owner: GraphedCatchUp) -> None:
         dev, n = owner.device, seqs * rows
         self.seqs, self.rows = seqs, rows
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)  # [n]
-        self.prev = torch.zeros(n, owner.hidden_size, dtype=owner.dtype, device=dev)  # [n, H]
-        self.positions = torch.arange(rows, device=dev).repeat(seqs)  # [n]
-        self.slots = owner.pad_slots[:rows].repeat(seqs)  # [n]
-        self.tables = owner.pad_table.repeat(2 * seqs, 1)  # [2S, max_blocks] int32
-        self.ctx = torch.zeros(2 * seqs, dtype=torch.int32, device=dev)  # [2S]
-        starts = torch.arange(seqs + 1, dtype=torch.int32).repeat_interleave(2)[1:] * rows
-        self.starts = starts.to(dev)  # [2S + 1]: every real sequence empty
-        self.mask = owner.causal[:rows, :rows].repeat(seqs, 1).to(dev)  # [n, R] bool
-        self.qctx = torch.zeros(n, dtype=torch.int32, device=dev)  # [n]
-        self.out = torch.zeros(n, owner.hidden_size, dtype=owner.dtype, device=dev)  # [n, H]
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)  # [S*R] row tokens (host)
+        self.prev = torch.zeros(n, owner.hidden_size, dtype=owner.dtype, device=dev)  # [S*R, H]
+        self.meta = torch.zeros(seqs, 2, dtype=torch.long, device=dev)  # [S, (n, start)] (host)
+        self.tables = owner.pad_table.repeat(seqs, 1)  # [S, max_blocks] int32 (host)
+        self.local = torch.arange(rows, device=dev).repeat(seqs, 1)  # [S, R] row index in its sequence
+        self.out = torch.zeros(n, owner.hidden_size, dtype=owner.dtype, device=dev)  # [S*R, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # module -> graph
-
-    def batch(self) -> AttentionBatch:
-        return AttentionBatch(self.positions, self.slots, self.tables, self.ctx, self.starts,
-                              self.mask, self.qctx)  # fmt: skip
 
 
 class GraphedCatchUp:
-    """Runs MTP catch-up rows (``MTPDrafter._catch_up_rows``) through static, padded shapes."""
+    """Runs MTP catch-up rows (``MTPDrafter._pending_rows``) through static, padded shapes."""
 
     def __init__(
         self,
@@ -75,7 +72,7 @@ class GraphedCatchUp:
         shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES,
     ) -> None:
         self.model, self.pool = model, pool
-        self.device = pool.kv_cache.device
+        self.device = dev = pool.kv_cache.device
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = model.config.hidden_size
         self.num_modules = model.config.num_mtp_modules
@@ -83,31 +80,53 @@ class GraphedCatchUp:
         smallest = min(s for s, _ in shapes)
         kept = [(s, r) for s, r in shapes if s <= max(max_batch, smallest)]
         self.row_buckets = tuple(sorted({r for _, r in kept}))
-        self.max_rows = self.row_buckets[-1]
-        block_size = pool.block_size
-        self.scratch = pool.allocate(-(-self.max_rows // block_size), BlockOwner("graph-padding"))
-        self._scratch_index = torch.tensor(self.scratch, device=self.device)
-        self.pad_table = torch.full((max_blocks,), -1, dtype=torch.int32, device=self.device)
+        self.max_rows = R = self.row_buckets[-1]
+        self.block_size = bs = pool.block_size
+        self.scratch = pool.allocate(-(-R // bs), BlockOwner("graph-padding"))
+        self._scratch_index = torch.tensor(self.scratch, device=dev)
+        self.pad_table = torch.full((max_blocks,), -1, dtype=torch.int32, device=dev)
         self.pad_table[: len(self.scratch)] = self._scratch_index.to(torch.int32)
-        self.pad_slots = torch.tensor(
-            [self.scratch[j // block_size] * block_size + j % block_size for j in range(self.max_rows)],
-            device=self.device,
-        )  # [max_rows] the dummy sequences' slots
-        self._pad_slots_host = self.pad_slots.tolist()
         self._pad_table_host = self.pad_table.tolist()
-        self.causal = torch.ones(self.max_rows, self.max_rows, dtype=torch.bool).tril()
+        self.pad_slots = torch.tensor([self.scratch[j // bs] * bs + j % bs for j in range(R)], device=dev)
+        self.causal = torch.ones(R, R, dtype=torch.bool, device=dev).tril()  # [R, R] padding rows
+        # [R, R] per module: catch-up rows see each other within the training band.
+        self.band = {d: mtp_band_mask(R, d, dev) for d in range(1, self.num_modules + 1)}
         self._shapes = {(s, r): _ShapeBuffers(s, r, self) for s, r in kept}
-        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.use_graphs = use_graphs and dev.type == "cuda"
         self.capture_error: str | None = None
         if self.use_graphs:
             self.capture_error = capture_or_run_eagerly(self._capture_all, self._drop_graphs,
                                                         "GraphedCatchUp")  # fmt: skip
             self.use_graphs = self.capture_error is None
 
-    # ------------------------------------------------------------------ capture
+    # ------------------------------------------------------------------ the device program
+    def _batch(self, module: int, buf: _ShapeBuffers) -> AttentionBatch:
+        """The attention batch of the loaded rows, derived on the device (static shapes)."""
+        S, R, bs = buf.seqs, buf.rows, self.block_size
+        n, start = buf.meta[:, _N : _N + 1], buf.meta[:, _START : _START + 1]  # [S, 1]
+        j = buf.local  # [S, R]
+        real = j < n  # [S, R]
+        pad_j = (j - n).clamp(min=0)  # [S, R] index among the dummy sequence's rows
+        entry = start + j  # [S, R] cache position of a real row (module committed + j)
+        blocks = buf.tables.long().gather(1, (entry // bs).clamp(max=self.max_blocks - 1))
+        slots = torch.where(real, blocks * bs + entry % bs, self.pad_slots[pad_j])  # [S, R]
+        positions = torch.where(real, entry + module, pad_j)  # row t = start + j consumes x_{t+d}
+        # Row t sees committed entries < t - d + 2 (the band), at most the module's committed.
+        qctx = torch.where(real, torch.minimum(start, entry - module + 2), 0)  # [S, R]
+        band = self.band[module][:R, :R]
+        mask = torch.where(real[..., None], band[j], self.causal[pad_j, :R])  # [S, R, R]
+        base = torch.arange(S, device=self.device)[:, None] * R  # [S, 1]
+        starts = torch.cat([torch.cat([base, base + n], 1).flatten(), base.new_full((1,), S * R)])
+        tables = torch.stack([buf.tables, self.pad_table.expand(S, -1)], 1).flatten(0, 1)  # [2S, W]
+        ctx = torch.stack([start[:, 0], torch.zeros_like(start[:, 0])], 1).flatten()  # [2S]
+        return AttentionBatch(
+            positions.flatten(), slots.flatten(), tables, ctx.to(torch.int32), starts.to(torch.int32),
+            mask.flatten(0, 1), qctx.flatten().to(torch.int32),
+        )  # fmt: skip
+
     def _forward(self, module: int, buf: _ShapeBuffers) -> None:
-        hidden = self.model.forward_mtp(module, buf.prev, buf.ids, buf.batch(), self.pool.kv_cache)
-        buf.out.copy_(hidden)
+        batch = self._batch(module, buf)
+        buf.out.copy_(self.model.forward_mtp(module, buf.prev, buf.ids, batch, self.pool.kv_cache))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -146,69 +165,43 @@ class GraphedCatchUp:
         return next((s for s in fits if s >= count), fits[-1]), r
 
     @torch.inference_mode()
-    def run(self, module: int, work: list[tuple[Sequence, SeqRows, int]]) -> list[Tensor]:
-        """Module ``module`` over each sequence's catch-up rows (``(seq, rows, first hidden
-        index)``, at most ``max_rows`` rows each): writes their latent KV and returns their
-        hidden outputs ``[n_i, H]`` in ``work`` order. Committing them is the caller's part."""
+    def run(self, module: int, work: list[tuple[Sequence, int, Tensor]]) -> list[Tensor]:
+        """Module ``module`` over each sequence's pending rows (``(seq, first hidden index,
+        depth-(module - 1) inputs [n, H])``, n <= ``max_rows``; the first index is the module's
+        committed count): writes their latent KV and returns their outputs ``[n, H]`` in
+        ``work`` order. Committing them is the caller's part."""
         outs: list[Tensor] = []
         i = 0
         while i < len(work):
-            rows = max(len(r.token_ids) for _, r, _ in work[i:])
+            rows = max(prev.shape[0] for _, _, prev in work[i:])
             seqs, width = self._shape_for(len(work) - i, rows)
             chunk = work[i : i + seqs]
-            outs += self._run_shape(module, self._shapes[(seqs, width)], [r for _, r, _ in chunk])
+            outs += self._run_shape(module, self._shapes[(seqs, width)], chunk)
             i += len(chunk)
         return outs
 
-    def _run_shape(self, module: int, buf: _ShapeBuffers, rows: list[SeqRows]) -> list[Tensor]:
-        R, S, bs = buf.rows, buf.seqs, self.pool.block_size
+    def _run_shape(self, module: int, buf: _ShapeBuffers, work: list[tuple[Sequence, int, Tensor]]) -> list[Tensor]:
+        R, S = buf.rows, buf.seqs
+        counts = [prev.shape[0] for _, _, prev in work]
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qctx: list[int] = []
-        ctx: list[int] = []
-        starts = [0]
-        dest: list[int] = []
+        meta: list[int] = []
         tables: list[list[int]] = []
-        mask = torch.zeros(S * R, R, dtype=torch.bool)  # [S*R, R]
-        pad_row = self._pad_table_host
-        for i in range(S):
-            r = rows[i] if i < len(rows) else None
-            n = len(r.token_ids) if r is not None else 0
-            if r is not None:
-                assert r.query_ctx_lens is not None and r.prev_hidden is not None
-                ids += r.token_ids
-                positions += r.positions
-                blocks = r.block_ids
-                slots += [blocks[p // bs] * bs + p % bs for p in range(r.ctx_len, r.ctx_len + n)]
-                qctx += r.query_ctx_lens
-                ctx.append(r.ctx_len)
-                tables.append(blocks + [-1] * (self.max_blocks - len(blocks)))
-                mask[i * R : i * R + n, :n] = r.mask
-                dest += range(i * R, i * R + n)
-            else:
-                ctx.append(0)
-                tables.append(pad_row)
-            pad = R - n  # the dummy sequence after it
-            ids += [0] * pad
-            positions += range(pad)
-            slots += self._pad_slots_host[:pad]
-            qctx += [0] * pad
-            ctx.append(0)
-            tables.append(pad_row)
-            mask[i * R + n : (i + 1) * R, :pad] = self.causal[:pad, :pad]
-            starts += [i * R + n, (i + 1) * R]
-        dev = self.device
+        for (seq, start, _), n in zip(work, counts, strict=True):
+            ids += seq.tokens[start + module : start + module + n]  # row t consumes x_{t+module}
+            ids += [0] * (R - n)
+            meta += [n, start]
+            tables.append(seq.block_ids + [-1] * (self.max_blocks - len(seq.block_ids)))
+        unused = S - len(work)
+        ids += [0] * (R * unused)
+        meta += [0, 0] * unused
+        tables += [self._pad_table_host] * unused
         buf.ids.copy_(torch.tensor(ids))
-        buf.positions.copy_(torch.tensor(positions))
-        buf.slots.copy_(torch.tensor(slots))
-        buf.qctx.copy_(torch.tensor(qctx, dtype=torch.int32))
-        buf.ctx.copy_(torch.tensor(ctx, dtype=torch.int32))
-        buf.starts.copy_(torch.tensor(starts, dtype=torch.int32))
+        buf.meta.copy_(torch.tensor(meta).view(S, 2))
         buf.tables.copy_(torch.tensor(tables, dtype=torch.int32))
-        buf.mask.copy_(mask)
-        prev = [r.prev_hidden for r in rows if r.prev_hidden is not None]
-        buf.prev.index_copy_(0, torch.tensor(dest, device=dev), prev[0] if len(prev) == 1 else torch.cat(prev))
+        dest = torch.tensor(list(itertools.chain.from_iterable(
+            range(i * R, i * R + n) for i, n in enumerate(counts))), device=self.device)  # fmt: skip
+        prevs = [prev for _, _, prev in work]
+        buf.prev.index_copy_(0, dest, prevs[0] if len(prevs) == 1 else torch.cat(prevs))
         graph = buf.graphs.get(module)
         if graph is not None:
             graph.replay()
@@ -216,4 +209,4 @@ class GraphedCatchUp:
             self._forward(module, buf)
         self._zero_scratch(self.model.mtp_cache_layer(module))
         out = buf.out.clone()  # [S*R, H]: the next replay overwrites the static output
-        return [out[i * R : i * R + len(r.token_ids)] for i, r in enumerate(rows)]
+        return [out[i * R : i * R + n] for i, n in enumerate(counts)]
