@@ -406,7 +406,7 @@ class LLMEngine:
         self._catch_up_s = None
         self._step_tokens = 0
         if decode:
-            budget, lag, sampled = self._choose_budget(decode)
+            budget, lag, sampled = self._choose_budget(decode, filling=bool(plan.prefill))
             self.last_decode_budget = budget_label(budget)
             if self.adaptive is not None and plan.prefill:
                 self.wait_for_device()  # time the decode work alone
@@ -445,9 +445,10 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _choose_budget(self, seqs: list[Sequence]) -> tuple[TreeBudget, int, bool]:
+    def _choose_budget(self, seqs: list[Sequence], filling: bool = False) -> tuple[TreeBudget, int, bool]:
         """This step's budget, the rows the MTP modules are behind, whether any sequence samples
-        (the last two only for adaptive speculation).
+        (the last two only for adaptive speculation). ``filling``: requests are being prefilled
+        in this step (they join the batch).
 
         After an autoregressive step over the same batch the summary is updated, not re-read
         (every sequence one row further behind, one token fewer left): at large batches, where
@@ -460,7 +461,7 @@ class LLMEngine:
         summary = self._summary
         if summary is None or summary.key != key or summary.age >= SUMMARY_REFRESH:
             summary = _BatchSummary(key, *self._decode_summary(seqs), age=0)
-        budget = self.adaptive.choose(self, len(seqs), summary.sampled, summary.lag, summary.left)
+        budget = self.adaptive.choose(self, len(seqs), summary.sampled, summary.lag, summary.left, filling)
         self._summary = None if budget.speculates else summary._replace(
             lag=summary.lag + len(seqs), left=summary.left - 1, age=summary.age + 1
         )

@@ -45,6 +45,7 @@ MIN_MEASURED = 3  # steady steps of an arm before its bucket cost counts
 RUN = 3  # steps per exploration run: after AR steps the first one catches the MTP modules up
 EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
+EXPLORE_SHARE_SOON = 0.5  # catch-up of a run measuring an arm that may win here, at most
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
 DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its batch draining unevenly
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
@@ -212,12 +213,14 @@ class MeasuredArms:
     # ------------------------------------------------------------------ choice
     def choose(
         self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int = 0,
-        tokens_left: float | None = None,
+        tokens_left: float | None = None, filling: bool = False,
     ) -> TreeBudget:
         """The arm for this step (``arms`` in a fixed order, no speculation first); ``lag_rows``:
         rows the MTP modules are behind (what a drafting step would first catch up);
         ``tokens_left``: tokens each sequence may still generate, on average (its max_tokens
-        left; None: unknown), the horizon within which a switch to drafting must pay."""
+        left; None: unknown), the horizon within which a switch to drafting must pay;
+        ``filling``: requests are being admitted (waiting, or in prefill) and join the batch
+        within steps."""
         target = batch_size.bit_length()
         bucket = self._bucket(target, sampled)
         bucket.steps += 1
@@ -225,6 +228,12 @@ class MeasuredArms:
             arm, left = self._run
             self._run = (arm, left - 1) if left > 1 else None
             return self._ran(bucket, arm)
+        if filling and lag_rows > 0:
+            # A batch still filling: a catch-up now is followed by the newcomers' own, and the
+            # batch lands in another bucket, whose costs decide (the H200's batch 256 paid
+            # 35 ms to draft at 64 sequences of it, one step before 64 more joined).
+            self._held = None
+            return self._ran(bucket, arms[0])
         key = (target, sampled, tuple(arms), lag_rows > 0)
         if self._held is not None and self._held[0] == key and bucket.steps < self._held[2]:
             return self._ran(bucket, self._held[1])
@@ -270,15 +279,16 @@ class MeasuredArms:
         for arm, est in estimates.items():
             if arm == chosen:
                 continue
+            share: float | None = None  # of the horizon a run's catch-up may take
             if est is None:  # never measured at any batch size: learn it now
                 interval = 1.0
             elif (not est.measured
-                  and self._worth_measuring(target, sampled, arm, est, arms[0], chosen_cost)
-                  and (est.source > target or pays(arm))):
+                    and self._worth_measuring(target, sampled, arm, est, arms[0], chosen_cost)
+                    and (est.source > target or pays(arm))):
                 # Soon; extrapolated from smaller batches (an optimistic line), only if it
                 # would pay its catch-up. From larger ones its step is cheaper here than the
                 # estimate, and so is its catch-up.
-                interval = float(self.explore_every)
+                interval, share = float(self.explore_every), EXPLORE_SHARE_SOON
             else:  # what a run costs, in steps of the chosen arm, at the share it may take
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
                 steady = max(float(self.explore_every), RUN * est.step / (share * max(step, 1e-9)))
@@ -293,12 +303,14 @@ class MeasuredArms:
                 # The catch-up defers a run by at most MAX_EXPLORE_INTERVAL steps: an estimate
                 # of it that forbade re-measuring (one timed during a stall) would stand forever.
                 interval = max(steady, min(steady + extra, float(MAX_EXPLORE_INTERVAL)))
-                # Nor may a run's catch-up exceed that share of the time the batch may still
-                # decode (a catch-up over hundreds of prompts of short requests would).
-                if arm.speculates and catch_up > 0 and tokens_left is not None:
-                    horizon = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size * chosen_cost
-                    if catch_up > share * horizon:
-                        interval = float(MAX_EXPLORE_INTERVAL)
+            # Nor may a run's catch-up exceed that share of the time the batch may still decode
+            # (a catch-up over hundreds of prompts of short requests would; so would one near a
+            # batch's end: the H200's batch 256 paid 73 ms to measure a chain with 10 of 64
+            # tokens to go).
+            if share is not None and arm.speculates and catch_up > 0 and tokens_left is not None:
+                horizon = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size * chosen_cost
+                if catch_up > share * horizon:
+                    interval = float(MAX_EXPLORE_INTERVAL)
             waited = bucket.steps - bucket.last_run.get(arm, 0)
             if waited >= interval:
                 overdue.append((waited / interval, arm))

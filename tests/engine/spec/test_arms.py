@@ -308,3 +308,35 @@ def test_a_switch_is_weighed_against_autoregressive_decoding_at_its_floor() -> N
     assert cost.seconds > 0.0022 and cost.floor < 0.0020 / 64
     assert measured().choose(64, False, [NO_SPEC, CHAIN], 4096, tokens_left=64) == NO_SPEC
     assert measured().choose(64, False, [NO_SPEC, CHAIN], 4096, tokens_left=128) == CHAIN
+
+
+@pytest.mark.parametrize("filling", [False, True])
+def test_no_switch_to_drafting_while_the_batch_is_still_filling(filling: bool) -> None:
+    """As at the H200's batch 256: 64 of its prompts decode while the rest are admitted. A
+    catch-up now would be followed by the newcomers' own, and the batch lands in another
+    bucket: the switch waits until the batch has filled."""
+    arms = MeasuredArms(explore_every=10_000)
+    for _ in range(3):
+        arms.observe(64, False, NO_SPEC, 0.010, 64)
+        arms.observe(64, False, CHAIN, 0.026, 200)  # cheaper per token: worth a switch
+    arms.observe_catch_up(64, False, CHAIN, 0.026 + 0.010, 640)
+    chosen = arms.choose(64, False, [NO_SPEC, CHAIN], 6400, tokens_left=200, filling=filling)
+    assert chosen == (NO_SPEC if filling else CHAIN)
+    # Once drafting (nothing to catch up), newcomers being admitted do not stop it.
+    assert arms.choose(64, False, [NO_SPEC, CHAIN], 0, tokens_left=200, filling=True) == CHAIN
+
+
+@pytest.mark.parametrize(("tokens_left", "explores"), [(10, False), (200, True)])
+def test_a_run_measuring_an_arm_from_a_larger_batch_needs_the_time_to_pay_its_catch_up(
+    tokens_left: int, explores: bool
+) -> None:
+    """The H200's batch 256 at its end, 181 sequences left with 10 tokens to go: the chain,
+    measured at 256 only, is worth measuring at 181, but not for a 71 ms catch-up of 16768
+    rows; with 200 tokens to go it is."""
+    arms = MeasuredArms(explore_every=16)
+    arms.catch_up.calibrate([(4096, 0.014), (16768, 0.071)])  # graphed catch-ups on the H200
+    for _ in range(3):
+        arms.observe(256, False, NO_SPEC, 0.0035, 256)
+        arms.observe(256, False, CHAIN, 0.0135, 870)
+    chosen = [arms.choose(181, False, [NO_SPEC, CHAIN], 16768, tokens_left) for _ in range(40)]
+    assert (CHAIN in chosen) == explores, chosen
