@@ -234,7 +234,7 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
     assert len(eng.graphed_budgets(sampled=True)) == 2
     order = [NO_SPEC, arms[1], arms[1], arms[0], arms[0], NO_SPEC, NO_SPEC, arms[0], arms[1]]
     picks = iter(order * 100)
-    eng.adaptive.choose = lambda engine, batch, sampled=False, lag=0, left=None: next(picks)  # type: ignore[union-attr, method-assign]
+    eng.adaptive.choose = lambda engine, batch, sampled=False, lag=0, left=None, filling=False: next(picks)  # type: ignore[union-attr, method-assign]
     used: list[int] = []
     for runner in eng._graphed_runners[::2]:  # the greedy steps: tree, chain
         run = runner.run
