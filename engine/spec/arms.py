@@ -30,7 +30,11 @@ requests' max_tokens left, at most ``MAX_HORIZON_TOKENS`` each) exceeds its catc
 ``DRAIN_STEPS`` of its steps (drafting spreads the steps at which requests finish). So a
 large batch of short requests that decodes autoregressively (where the catch-up of hundreds of
 prompts costs many steps) does not pay for probes of drafting that could not pay off, while
-long requests, or a small batch behind by a few rows, switch at once.
+long requests, or a small batch behind by a few rows, switch at once. Every run that would
+pay a catch-up, also one measuring an arm known only from other batch sizes, must fit that
+catch-up within its share of the batch's horizon; and while requests are being prefilled into
+the batch (``filling``), nothing switches to drafting over a lag: the batch is about to change
+bucket and the newcomers need their own catch-up.
 """
 
 from __future__ import annotations
