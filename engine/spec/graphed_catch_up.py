@@ -14,9 +14,9 @@ each other, write only scratch slots (zeroed after each replay), and their outpu
 so the real rows get what ``MTPDrafter``'s eager forward computes. The host loads per sequence
 only its row count, first hidden index (= the module's committed entries), block table and
 tokens; the captured program derives every row's position, cache slot, context limit and mask
-(no per-row host work: at 64 prompts, per-row host work had cost as much as the eager forward). A sequence with more than the
-largest ``R`` rows to go is caught up in several passes; a later pass sees the earlier rows in
-the cache, as a chunked prefill does.
+(no per-row host work: at 64 prompts, per-row host work had cost as much as the eager forward).
+A sequence with more than the largest ``R`` rows to go is caught up in several passes; a later
+pass sees the earlier rows in the cache, as a chunked prefill does.
 
 On CPU (``use_graphs=False``) the same padded code runs eagerly, which is how it is tested.
 """
