@@ -136,6 +136,14 @@ def main() -> None:
     def save() -> None:
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
 
+    # 0. the fused sampled acceptance walk against its torch ops, on the same draws
+    from tests.engine.kernels.accept_cases import check_accept_sampled
+
+    report["sampled_accept_kernel_differing_share"] = check_accept_sampled("cuda")[0]
+    print("sampled accept kernel: differing share", report["sampled_accept_kernel_differing_share"],
+          flush=True)  # fmt: skip
+    save()
+
     # 1. exactness in float32
     cfg8 = EngineConfig(max_batch_size=8, kv_memory_bytes=2 << 30)
     exact: dict[str, object] = {}

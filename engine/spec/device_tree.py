@@ -189,14 +189,44 @@ def accept_sampled(
     q_all: Tensor,  # [B, I, V] draft law each internal node's children were drawn from
     tree: StaticTree,
 ) -> AcceptedPath:
-    """Multi-draft recursive rejection sampling on every tree at once (no host reads).
+    """Multi-draft recursive rejection sampling on every tree at once (no host reads); the
+    randomness (``accept_sampled_torch``'s ``uniforms`` and ``noise``) is drawn here from the
+    default generator. On CUDA with Triton, one fused kernel (``engine.kernels.sampled_accept``,
+    the same decisions on the same draws); else torch ops."""
+    B, V = tokens.shape[0], p_all.shape[-1]
+    uniforms = torch.rand(B, tree.max_depth, tree.children.shape[1], device=tokens.device)
+    noise = torch.empty(B, V, device=tokens.device).exponential_().clamp_(min=_TINY)
+    if tokens.is_cuda and triton_available():
+        from engine.kernels.sampled_accept import accept_sampled_triton
+
+        fused = run_kernel("accept_sampled", lambda: accept_sampled_triton(
+            tokens, valid, p_all.float(), q_all.float(), tree.children, tree.q_row, uniforms, noise))  # fmt: skip
+        if fused is not None:
+            num, path_t, bonus = fused
+            a = num[:, None]  # [B, 1]
+            j = torch.arange(tree.max_depth + 1, device=tokens.device)
+            return AcceptedPath(a, path_t, j[None] <= a, bonus[:, None], tree.has_child[path_t],
+                                tree.ranks[path_t])  # fmt: skip
+    return accept_sampled_torch(tokens, valid, p_all, q_all, tree, uniforms, noise)
+
+
+def accept_sampled_torch(
+    tokens: Tensor,  # [B, N+1] node tokens (root first)
+    valid: Tensor,  # [B, N+1] bool, False for draws that had no mass (never accepted)
+    p_all: Tensor,  # [B, N+1, V] target law after each node (normalised)
+    q_all: Tensor,  # [B, I, V] draft law each internal node's children were drawn from
+    tree: StaticTree,
+    uniforms: Tensor,  # [B, D, W] the acceptance test of sibling r (draw order) at depth d
+    noise: Tensor,  # [B, V] exponentials: the bonus is argmax p / noise (a draw from p)
+) -> AcceptedPath:
+    """Multi-draft recursive rejection sampling, as torch ops over the whole batch.
 
     The tensor form of ``engine.spec.verifier.verify_sampling`` for children drawn without
     replacement: at the current node, children are tried in draw order; ``x`` is accepted with
     probability ``min(1, p(x) / q(x))``; on rejection ``p <- norm(max(p - q, 0))`` and ``q <- q``
     without ``x``, renormalised. When no child is accepted (or the node is a leaf) the bonus is
     drawn from the current ``p``. A rejection whose residual has no mass in floating point keeps
-    ``p`` (a rounding-level event, as in the host verifier). Randomness: the default generator.
+    ``p`` (a rounding-level event, as in the host verifier).
     """
     B = tokens.shape[0]
     dev = tokens.device
@@ -215,7 +245,7 @@ def accept_sampled(
             x = tokens[rows, safe]  # [B]
             tried = ~done & ~moved & (child >= 0) & valid[rows, safe]
             px, qx = p[rows, x], q[rows, x]  # [B]
-            accept = tried & (torch.rand_like(px) * qx < px)
+            accept = tried & (uniforms[:, level, r] * qx < px)
             moved |= accept
             nxt = torch.where(accept, safe, nxt)
             reject = (tried & ~accept)[:, None]  # [B, 1]
@@ -229,7 +259,7 @@ def accept_sampled(
         cur = nxt
         p = torch.where(moved[:, None], p_all[rows, cur], p)
         path.append(cur)
-    race = p / torch.empty_like(p).exponential_().clamp_(min=_TINY)  # exponential race
+    race = p / noise  # exponential race
     bonus = race.argmax(-1, keepdim=True)  # [B, 1] drawn from the final (residual) law
     path_t = torch.stack(path, 1)  # [B, D+1] (repeats once stopped)
     a = (path_t[:, 1:] != path_t[:, :-1]).sum(-1, keepdim=True)  # [B, 1]

@@ -67,3 +67,56 @@ def check_logprob_topk(device: str) -> tuple[float, float]:
             return 1.0, 1e-5
         err = max(err, (want_v - got_v).abs().max().item())
     return err, 1e-5
+
+
+def _random_sampled_case(gen: torch.Generator, B: int, n: int, depth: int, V: int, device: str):  # type: ignore[no-untyped-def]
+    """A random tree of ``n`` nodes (at most ``depth`` deep), laws p and q close to each other,
+    children drawn from their parent's q (distinct tokens), a few draws marked invalid."""
+    from engine.simulator.tree_shape import TreeShape
+    from engine.spec.device_tree import StaticTree
+
+    parents, depths, ranks = [-1], [0], [0]
+    for _ in range(1, n):
+        choices = [i for i in range(len(parents)) if depths[i] < depth]
+        parent = choices[int(torch.randint(0, len(choices), (1,), generator=gen))]
+        ranks.append(sum(1 for p in parents if p == parent))
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    shape = TreeShape(parents=tuple(parents), ranks=tuple(ranks))
+    internal = [i for i in range(n) if i in parents]
+    tree = StaticTree.build(shape, internal, torch.device(device))
+    base = 2 * torch.randn(B, n, V, generator=gen)
+    p_all = torch.softmax(base, -1)
+    q_all = torch.softmax(base[:, internal] + 1.5 * torch.randn(B, len(internal), V, generator=gen), -1)
+    tokens = torch.zeros(B, n, dtype=torch.long)
+    for i in internal:
+        kids = [c for c in range(n) if parents[c] == i]
+        draws = torch.multinomial(q_all[:, internal.index(i)], len(kids), generator=gen)  # [B, k]
+        for j, c in enumerate(kids):
+            tokens[:, c] = draws[:, j]
+    valid = torch.rand(B, n, generator=gen) > 0.1
+    valid[:, 0] = True
+    uniforms = torch.rand(B, tree.max_depth, tree.children.shape[1], generator=gen)
+    noise = torch.empty(B, V).exponential_(generator=gen).clamp_(min=1e-30)
+    return tree, [t.to(device) for t in (tokens, valid, p_all, q_all, uniforms, noise)]
+
+
+def check_accept_sampled(device: str) -> tuple[float, float]:
+    """Share of trees where the fused sampled acceptance (count, path, bonus) differs from
+    ``accept_sampled_torch`` given the same draws: random shapes and laws, vocabularies within
+    one chunk and over several (a partial last chunk)."""
+    from engine.kernels.sampled_accept import accept_sampled_triton
+    from engine.spec.device_tree import accept_sampled_torch
+
+    gen = torch.Generator().manual_seed(11)
+    differ = total = 0
+    for trial in range(15):
+        n, depth, V = [(5, 2, 7), (12, 3, 50), (9, 6, 3000), (1, 1, 16), (16, 2, 40)][trial % 5]
+        tree, (tokens, valid, p_all, q_all, uniforms, noise) = _random_sampled_case(gen, 16, n, depth, V, device)
+        ref = accept_sampled_torch(tokens, valid, p_all, q_all, tree, uniforms, noise)
+        num, path, bonus = accept_sampled_triton(tokens, valid, p_all, q_all, tree.children, tree.q_row,
+                                                 uniforms, noise, block_v=1024)  # fmt: skip
+        same = (ref.num_accepted[:, 0] == num) & (ref.path == path).all(1) & (ref.bonus[:, 0] == bonus)
+        differ += int((~same).sum())
+        total += same.numel()
+    return differ / total, 0.0

@@ -21,7 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from tests.engine.kernels.accept_cases import check_accept_greedy, check_logprob_topk
+from tests.engine.kernels.accept_cases import (
+    check_accept_greedy,
+    check_accept_sampled,
+    check_logprob_topk,
+)
 from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
 
 # name -> (make_case kwargs, kernel kwargs); checked against the reference and the naive loop.
@@ -120,6 +124,7 @@ def run_all() -> dict[str, dict]:
         **{f"rope_latent/{k}": (lambda k=k: check_rope_latent(k, "cpu")) for k in INTERPRETED_FUSED},
         "accept/greedy_random_trees": lambda: check_accept_greedy("cpu"),
         "accept/logprob_topk": lambda: check_logprob_topk("cpu"),
+        "accept/sampled_random_trees": lambda: check_accept_sampled("cpu"),
     }
     for name, job in jobs.items():
         try:

@@ -92,6 +92,13 @@ def test_fused_greedy_acceptance_equals_the_torch_ops_on_gpu() -> None:
     assert err <= tol, "the fused acceptance kernel differs from accept_greedy_torch"
 
 
+def test_fused_sampled_acceptance_equals_the_torch_ops_on_gpu() -> None:
+    from tests.engine.kernels.accept_cases import check_accept_sampled
+
+    share, tol = check_accept_sampled("cuda")
+    assert share <= tol, f"the fused sampled acceptance differs on {share:.1%} of the trees"
+
+
 def test_fused_logprob_topk_equals_the_torch_ops_on_gpu() -> None:
     from tests.engine.kernels.accept_cases import check_logprob_topk
 
