@@ -25,12 +25,14 @@ LENGTHS = (3, 21, 9)  # committed tokens per sequence (the prompt); 21 needs thr
 MORE = (1, 6, 12)  # committed later (autoregressive steps), caught up a second time
 
 
-@pytest.fixture(scope="module")
-def four_module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def four_module_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four MTP modules: the last module's rows only write KV, so the per-row context limits of
-    deeper modules (depth 3) show in what the next module reads only when there is a fourth."""
-    return build_checkpoint(tmp_path_factory.mktemp("v6k4"), seed=3, vocab_size=6,
-                            num_nextn_predict_layers=4)
+    deeper modules (depth 3) show in what the next module reads only when there is a fourth.
+    The MoE variant routes the padding rows too (their outputs must not reach real rows)."""
+    moe = {"n_routed_experts": 4, "first_k_dense_replace": 1} if request.param == "moe" else {}
+    return build_checkpoint(tmp_path_factory.mktemp(f"v6k4{request.param}"), seed=3, vocab_size=6,
+                            num_nextn_predict_layers=4, **moe)
 
 
 def _sequences(eng: LLMEngine, gen: torch.Generator, owner: str) -> list[Sequence]:
