@@ -146,6 +146,24 @@ class DeepseekV3ForCausalLM(nn.Module):
         x = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])
         return layer.shared_head.norm(x)
 
+    def write_mtp_latents(
+        self,
+        depth: int,  # 1-based module index
+        prev_hidden: torch.Tensor,  # [N, H] normalised hidden of depth-1
+        input_ids: torch.Tensor,  # [N] token x_{t+depth} for each row
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """Module ``depth``'s latent cache entries for the rows, nothing else: the catch-up of the
+        last module, whose outputs feed no deeper module (its entries are what its later rows
+        and drafts attend to). The entries equal ``forward_mtp``'s."""
+        layer = self.mtp_layer(depth)
+        x = layer.fuse_inputs(self.model.embed_tokens(input_ids), prev_hidden)
+        layer.self_attn.write_latent(
+            layer.input_layernorm(x), self.rope, self._rope_tables(x, batch), batch,
+            kv_cache[self.mtp_cache_layer(depth)],
+        )  # fmt: skip
+
     # ---- training / reference over whole sequences ----
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] -> final-normed hidden [B, T, H] with full causal attention (positions 0..T-1)."""

@@ -101,6 +101,18 @@ class MultiHeadLatentAttention(nn.Module):
         out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)  # [N, heads, v]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
 
+    def write_latent(
+        self,
+        x: torch.Tensor,  # [N, H] normed layer input
+        rope: RotaryEmbedding,
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """Only the tokens' latent entries written to the cache (no attention): what rows whose
+        outputs nobody reads still owe the rows after them."""
+        self._rope_and_store_latent(x, rope, rope_tables, batch, kv_cache)
+
     def fused_kernels_apply(self, x: torch.Tensor) -> bool:
         """The fused RoPE + latent-store kernel serves this layer's inference on ``x``."""
         half = self.rope_dim // 2

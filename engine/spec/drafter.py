@@ -214,7 +214,8 @@ class MTPDrafter:
                     break
                 for (seq, start, prev), out in zip(work, static.run(depth, work), strict=True):
                     seq.mtp_committed[depth - 1] += prev.shape[0]
-                    seq.push_hidden(depth, start, out)
+                    if out is not None:
+                        seq.push_hidden(depth, start, out)
 
     # ---- row construction ----
     def _pending_rows(

@@ -126,7 +126,10 @@ class GraphedCatchUp:
 
     def _forward(self, module: int, buf: _ShapeBuffers) -> None:
         batch = self._batch(module, buf)
-        buf.out.copy_(self.model.forward_mtp(module, buf.prev, buf.ids, batch, self.pool.kv_cache))
+        if module == self.num_modules:  # the last module's outputs feed nobody: its entries only
+            self.model.write_mtp_latents(module, buf.prev, buf.ids, batch, self.pool.kv_cache)
+        else:
+            buf.out.copy_(self.model.forward_mtp(module, buf.prev, buf.ids, batch, self.pool.kv_cache))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -165,12 +168,13 @@ class GraphedCatchUp:
         return next((s for s in fits if s >= count), fits[-1]), r
 
     @torch.inference_mode()
-    def run(self, module: int, work: list[tuple[Sequence, int, Tensor]]) -> list[Tensor]:
+    def run(self, module: int, work: list[tuple[Sequence, int, Tensor]]) -> list[Tensor | None]:
         """Module ``module`` over each sequence's pending rows (``(seq, first hidden index,
         depth-(module - 1) inputs [n, H])``, n <= ``max_rows``; the first index is the module's
         committed count): writes their latent KV and returns their outputs ``[n, H]`` in
-        ``work`` order. Committing them is the caller's part."""
-        outs: list[Tensor] = []
+        ``work`` order (None for the last module, whose outputs nobody reads: it writes its
+        entries only). Committing them is the caller's part."""
+        outs: list[Tensor | None] = []
         i = 0
         while i < len(work):
             rows = max(prev.shape[0] for _, _, prev in work[i:])
@@ -180,7 +184,9 @@ class GraphedCatchUp:
             i += len(chunk)
         return outs
 
-    def _run_shape(self, module: int, buf: _ShapeBuffers, work: list[tuple[Sequence, int, Tensor]]) -> list[Tensor]:
+    def _run_shape(
+        self, module: int, buf: _ShapeBuffers, work: list[tuple[Sequence, int, Tensor]]
+    ) -> list[Tensor | None]:
         R, S = buf.rows, buf.seqs
         counts = [prev.shape[0] for _, _, prev in work]
         ids: list[int] = []
@@ -208,5 +214,7 @@ class GraphedCatchUp:
         else:
             self._forward(module, buf)
         self._zero_scratch(self.model.mtp_cache_layer(module))
+        if module == self.num_modules:
+            return [None] * len(counts)
         out = buf.out.clone()  # [S*R, H]: the next replay overwrites the static output
         return [out[i * R : i * R + n] for i, n in enumerate(counts)]
