@@ -50,6 +50,7 @@ RUN = 3  # steps per exploration run: after AR steps the first one catches the M
 EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 EXPLORE_SHARE_SOON = 0.5  # catch-up of a run measuring an arm that may win here, at most
+CLOSE = 1.1  # a drafting arm within this factor of the drafting arm chosen is re-run soon
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
 DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its batch draining unevenly
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
@@ -296,6 +297,11 @@ class MeasuredArms:
             else:  # what a run costs, in steps of the chosen arm, at the share it may take
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
                 steady = max(float(self.explore_every), RUN * est.step / (share * max(step, 1e-9)))
+                if arm.speculates and chosen.speculates and est.per_token <= CLOSE * chosen_cost:
+                    # Two drafting arms this close (the H200's chain and tree at batch 1: 0.42 ms
+                    # per token each) are told apart by a few noisy steps, and a run of the other
+                    # costs at most 10% more and no catch-up: re-measure it soon.
+                    steady = float(self.explore_every)
                 # A run of a drafting arm first catches up; a run of autoregressive steps
                 # while drafting leaves a catch-up to come back (the device step takes the
                 # MTP state of a drafting step only), whose fixed part alone is ~10 steps.

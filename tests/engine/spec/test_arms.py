@@ -340,3 +340,24 @@ def test_a_run_measuring_an_arm_from_a_larger_batch_needs_the_time_to_pay_its_ca
         arms.observe(256, False, CHAIN, 0.0135, 870)
     chosen = [arms.choose(181, False, [NO_SPEC, CHAIN], 16768, tokens_left) for _ in range(40)]
     assert (CHAIN in chosen) == explores, chosen
+
+
+def test_two_drafting_arms_this_close_are_told_apart_by_more_than_their_first_steps() -> None:
+    """The H200 at batch 1: chain and tree within 5% per token. The tree's first steps were
+    a little slow (0.46 against the chain's 0.425 ms per token), so the chain looked cheaper; the
+    tree is re-run soon, not after ~190 steps, and then carries the batch."""
+    arms = MeasuredArms()
+    costs = {NO_SPEC: (0.0016, 1), CHAIN: (0.0017, 4), TREE: (0.0021, 5)}  # 0.42 vs 0.40 ms/token
+    tree_runs = 0
+    chosen: list[TreeBudget] = []
+    for _ in range(200):
+        arm = arms.choose(1, False, ARMS)
+        seconds, tokens = costs[arm]
+        if arm == TREE:
+            tree_runs += 1
+            if tree_runs <= 3:
+                seconds = 0.0023  # its first steps: slow
+        arms.observe(1, False, arm, seconds, tokens)
+        chosen.append(arm)
+    tail = chosen[100:]
+    assert tail.count(TREE) >= 0.7 * len(tail), (tail.count(TREE), tail.count(CHAIN))
