@@ -131,6 +131,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             x = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[i])
         return self.model.norm(x)
 
+    def _mtp_input(self, depth: int, prev_hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[MTPLayer, torch.Tensor]:
+        """Module ``depth`` and its fused input [N, H] (token embedding and depth-1 hidden)."""
+        layer = self.mtp_layer(depth)
+        return layer, layer.fuse_inputs(self.model.embed_tokens(input_ids), prev_hidden)
+
     def forward_mtp(
         self,
         depth: int,  # 1-based module index
@@ -140,8 +145,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """MTP module ``depth`` -> its normalised hidden [N, H] (logits via ``self.logits``)."""
-        layer = self.mtp_layer(depth)
-        x = layer.fuse_inputs(self.model.embed_tokens(input_ids), prev_hidden)
+        layer, x = self._mtp_input(depth, prev_hidden, input_ids)
         rope_tables = self._rope_tables(x, batch)
         x = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])
         return layer.shared_head.norm(x)
@@ -157,8 +161,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Module ``depth``'s latent cache entries for the rows, nothing else: the catch-up of the
         last module, whose outputs feed no deeper module (its entries are what its later rows
         and drafts attend to). The entries equal ``forward_mtp``'s."""
-        layer = self.mtp_layer(depth)
-        x = layer.fuse_inputs(self.model.embed_tokens(input_ids), prev_hidden)
+        layer, x = self._mtp_input(depth, prev_hidden, input_ids)
         layer.self_attn.write_latent(
             layer.input_layernorm(x), self.rope, self._rope_tables(x, batch), batch,
             kv_cache[self.mtp_cache_layer(depth)],

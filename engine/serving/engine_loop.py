@@ -302,8 +302,7 @@ class EngineLoop:
             log.exception("engine step failed; failing the running requests")
             self._fail_all(RequestFailed("the engine failed while generating"))
             return
-        budget = getattr(self._engine, "last_decode_budget", None)
-        self._observer.on_step(outputs, time.perf_counter() - started, budget)
+        self._observer.on_step(outputs, time.perf_counter() - started, self._engine.last_decode_budget)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
