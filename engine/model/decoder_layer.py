@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import RMSNorm, SwiGLUMLP
+from engine.model.layers import Linear, RMSNorm, SwiGLUMLP
 from engine.model.mla import MultiHeadLatentAttention
 from engine.model.moe import MoE
 from engine.model.rope import RotaryEmbedding
@@ -67,7 +67,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(cfg, layer_idx)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
     def fuse_inputs(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from engine.attention import paged_mla_attention, write_kv
 from engine.kernels import use_fused_kernels
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import RMSNorm
+from engine.model.layers import Linear, RMSNorm
 from engine.model.rope import RotaryEmbedding, softmax_scale
 
 
@@ -35,19 +35,19 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_lora_rank = cfg.q_lora_rank
         qk_dim = cfg.qk_head_dim
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * qk_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
+            self.q_proj = Linear(cfg.hidden_size, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(
             cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
 
     # ---- shared pieces ----
