@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from engine.batch_builder import SeqRows, build_batch, causal_mask
-from engine.cuda_graphs import StaticTargetForward
+from engine.cuda_graphs import DEFAULT_PREFILL_TOKENS, StaticTargetForward
 from engine.kv.block_pool import BlockPool, KVCacheFull
 from engine.kv.compaction import compact_and_zero
 from engine.model.attention_batch import AttentionBatch
@@ -154,6 +154,7 @@ class LLMEngine:
             self.static_forward = StaticTargetForward(
                 model, self.pool, (1, self.budget.num_draft_tokens + 1), max_blocks,
                 engine_config.max_batch_size, use_graphs=device.type == "cuda",
+                prefill_tokens=DEFAULT_PREFILL_TOKENS, prefill_chunk=chunk,
             )  # fmt: skip
             if self.drafter is not None and self.budget.speculates:
                 self.drafter.static_catch_up = GraphedCatchUp(
@@ -497,8 +498,13 @@ class LLMEngine:
                     causal_mask(chunk),
                 )
             )
-        ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        hidden = self.model.forward_target(ids, batch, self.pool.kv_cache)  # [N, H]
+        static = self.static_forward
+        shape = static.prefill_shape(rows) if static is not None else None
+        if static is not None and shape is not None:
+            hidden = static.run_prefill(rows, shape)  # [N, H], one graph replay on CUDA
+        else:
+            ids, batch = build_batch(rows, self.pool.block_size, self.device)
+            hidden = self.model.forward_target(ids, batch, self.pool.kv_cache)  # [N, H]
         offset = 0
         finishing: list[tuple[Sequence, torch.Tensor]] = []
         for seq, chunk in work:

@@ -1,0 +1,86 @@
+"""Prefill chunks padded to captured (bucket, tokens) shapes (engine/cuda_graphs.py), run
+eagerly on CPU: the same hidden states, cache entries and tokens as the eager prefill, and
+nothing left in the scratch block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.batch_builder import SeqRows, causal_mask
+from engine.sequence import Sequence
+
+PROMPTS = [[t % 6 for t in range(1, 11)], [3, 1, 4, 1, 5, 0, 2, 4, 5, 3, 5, 2, 1], [5, 5], [2] * 37]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _engine(folder: Path, static: bool, method: str = "none", chunk: int = 32) -> LLMEngine:
+    config = EngineConfig(cuda_graphs=static, prefill_chunk_tokens=chunk)
+    return LLMEngine.from_pretrained(folder, spec=SpecConfig(method=method), engine_config=config)  # type: ignore[arg-type]
+
+
+def _prefill_all(eng: LLMEngine) -> list[Sequence]:
+    """Add PROMPTS and step until every prompt is prefilled (and one token sampled)."""
+    for i, prompt in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", prompt, GREEDY)
+    while eng.scheduler.num_waiting or any(s.in_prefill for s in eng.scheduler.running):
+        eng.step()
+    return sorted(eng.scheduler.running, key=lambda s: s.request_id)
+
+
+def _cache_entries(eng: LLMEngine, seq: Sequence) -> torch.Tensor:
+    """[layers, committed, latent] entries of ``seq``'s committed tokens in every main layer."""
+    bs = eng.pool.block_size
+    slots = torch.tensor([seq.block_ids[p // bs] * bs + p % bs for p in range(seq.num_committed)])
+    main = eng.pool.kv_cache[: eng.model_config.num_hidden_layers]
+    return main.reshape(main.shape[0], -1, main.shape[-1])[:, slots]
+
+
+def test_padded_prefill_matches_the_eager_one(small_vocab_dir: Path) -> None:
+    eager, static = _engine(small_vocab_dir, False), _engine(small_vocab_dir, True)
+    assert static.static_forward is not None
+    shapes: list[tuple[int, int]] = []
+    original = static.static_forward.run_prefill
+    static.static_forward.run_prefill = lambda rows, shape: shapes.append(shape) or original(rows, shape)  # type: ignore[method-assign]
+    seqs_e, seqs_s = _prefill_all(eager), _prefill_all(static)
+    # Chunks of 32 tokens over prompts of 10, 13, 2 and 37 tokens: four sequences in (4, 16),
+    # then the rest of the last one on top of its first 7 entries (ctx > 0) in (1, 32).
+    assert shapes == [(4, 16), (1, 32)]
+    for a, b in zip(seqs_e, seqs_s, strict=True):
+        assert a.num_committed == b.num_committed == len(a.tokens) - 1
+        assert a.tokens == b.tokens  # the first sampled token too
+        torch.testing.assert_close(_cache_entries(static, b), _cache_entries(eager, a))
+    scratch = static.static_scratch_blocks
+    assert torch.count_nonzero(static.pool.kv_cache[:, scratch]) == 0, "padding rows left entries"
+
+
+@pytest.mark.parametrize("method", ["none", "tree"])
+def test_padded_prefill_gives_the_same_tokens(small_vocab_dir: Path, method: str) -> None:
+    base = _engine(small_vocab_dir, False, "none", chunk=512).generate(PROMPTS, GREEDY)
+    eng = _engine(small_vocab_dir, True, method, chunk=512)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
+    assert torch.count_nonzero(eng.pool.kv_cache) == 0, "every freed block and scratch zeroed"
+
+
+def test_prefill_shape_choice(small_vocab_dir: Path) -> None:
+    static = _engine(small_vocab_dir, True, chunk=32).static_forward
+    assert static is not None
+    assert max(b * t for b, t in static.prefill_shapes) == 64  # twice the chunk
+
+    def rows(*lengths: int, ctx: int = 0) -> list[SeqRows]:
+        return [SeqRows(list(range(8)), ctx, [1] * n, list(range(ctx, ctx + n)), causal_mask(n)) for n in lengths]
+
+    assert static.prefill_shape(rows(10)) == (1, 16)
+    assert static.prefill_shape(rows(17, 3)) == (2, 32)
+    assert static.prefill_shape(rows(5, 5, 5)) == (4, 16)
+    assert static.prefill_shape(rows(65)) is None  # longer than any captured shape
+    limited = rows(4)
+    limited[0].query_ctx_lens = [0] * 4
+    assert static.prefill_shape(limited) is None  # per-query limits: MTP rows, not a prefill
+    far = rows(4, ctx=static.max_blocks * static.pool.block_size - 8)
+    assert static.prefill_shape(far) is None  # padded keys would walk past the table
