@@ -24,7 +24,6 @@ from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.kv.block_pool import BlockOwner
 
-
 DEVICE = "cuda"
 
 
