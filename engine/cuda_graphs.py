@@ -14,7 +14,8 @@ Prefill chunks get their own graphs (``prefill_tokens``): a chunk of ``n`` token
 ``(bucket, T)`` graph with ``T >= n``, its ``T - n`` padding rows writing to the scratch block and
 attending to the chunk's real tokens only (so no real row sees them and every padding row sees
 at least one key); their outputs are dropped. Eager, a prefill costs one launch per operation
-(~12 ms for a 64-token prompt of the 12-layer ``gpu`` preset on an H200, whatever its length).
+whatever its length: on an H200 a 64-token prompt of the demo model takes 5.5 ms eagerly and
+0.6 ms replayed (``scripts/gpu_prefill_check.py``).
 
 Every input is copied into the static buffers before a replay; nothing in the captured region
 reads host values (the Triton attention kernel has no host syncs and a shape-only grid).
@@ -107,7 +108,6 @@ class _Static:
         self.ctx[num_seqs:].zero_()
         self.mask[:n].copy_(batch.new_mask[:, :t])
         self.mask[n:].copy_(self.pad_mask.repeat(self.bucket - num_seqs, 1))
-
 
     def load_padded(self, rows: list[SeqRows], block_size: int) -> None:
         """Prefill rows (each at most ``tokens`` new tokens, no per-query limits) padded to the
