@@ -96,18 +96,23 @@ class _Static:
         n, t = ids.shape[0], self.tokens
         width = batch.block_tables.shape[1]
         self.ids[:n].copy_(ids)
-        self.ids[n:].zero_()
         self.positions[:n].copy_(batch.positions)
-        self.positions[n:].copy_(self.pad_positions.repeat(self.bucket - num_seqs))
         self.slots[:n].copy_(batch.slot_mapping)
-        self.slots[n:].copy_(self.pad_slots.repeat(self.bucket - num_seqs))
         self.tables[:num_seqs, :width].copy_(batch.block_tables)
         self.tables[:num_seqs, width:].fill_(-1)
-        self.tables[num_seqs:].copy_(self.pad_table.expand(self.bucket - num_seqs, -1))
         self.ctx[:num_seqs].copy_(batch.ctx_lens)
-        self.ctx[num_seqs:].zero_()
         self.mask[:n].copy_(batch.new_mask[:, :t])
-        self.mask[n:].copy_(self.pad_mask.repeat(self.bucket - num_seqs, 1))
+        self._pad_unused(num_seqs)
+
+    def _pad_unused(self, num_seqs: int) -> None:
+        """Sequences ``num_seqs ..`` of the bucket become dummies over the scratch block."""
+        n, unused = num_seqs * self.tokens, self.bucket - num_seqs
+        self.ids[n:].zero_()
+        self.positions[n:].copy_(self.pad_positions.repeat(unused))
+        self.slots[n:].copy_(self.pad_slots.repeat(unused))
+        self.tables[num_seqs:].copy_(self.pad_table.expand(unused, -1))
+        self.ctx[num_seqs:].zero_()
+        self.mask[n:].copy_(self.pad_mask.repeat(unused, 1))
 
     def load_padded(self, rows: list[SeqRows], block_size: int) -> None:
         """Prefill rows (each at most ``tokens`` new tokens, no per-query limits) padded to the
@@ -134,17 +139,12 @@ class _Static:
             mask[i, n:, :n] = True
         n_all = b * t
         self.ids[:n_all].copy_(torch.tensor(ids))
-        self.ids[n_all:].zero_()
         self.positions[:n_all].copy_(torch.tensor(positions))
-        self.positions[n_all:].copy_(self.pad_positions.repeat(self.bucket - b))
         self.slots[:n_all].copy_(torch.tensor(slots))
-        self.slots[n_all:].copy_(self.pad_slots.repeat(self.bucket - b))
         self.tables[:b].copy_(torch.tensor(tables, dtype=torch.int32))
-        self.tables[b:].copy_(self.pad_table.expand(self.bucket - b, -1))
         self.ctx[:b].copy_(torch.tensor([r.ctx_len for r in rows], dtype=torch.int32))
-        self.ctx[b:].zero_()
         self.mask[:n_all].copy_(mask.view(n_all, t))
-        self.mask[n_all:].copy_(self.pad_mask.repeat(self.bucket - b, 1))
+        self._pad_unused(b)
 
 
 class StaticTargetForward:
@@ -217,8 +217,14 @@ class StaticTargetForward:
             st.graph = graph
         self._zero_scratch()
 
-    def _zero_scratch(self) -> None:
-        self.pool.kv_cache.index_fill_(1, self._scratch_index, 0)
+    def _zero_scratch(self, tokens: int | None = None) -> None:
+        """Zero the scratch blocks, or only those a shape of ``tokens`` rows per sequence writes
+        (its padding slots; the 512-token prefill shapes made the scratch 32 blocks of 16,
+        where a decode step's padding fills 3)."""
+        index = self._scratch_index
+        if tokens is not None:
+            index = index[: -(-tokens // self.pool.block_size)]
+        self.pool.kv_cache.index_fill_(1, index, 0)
 
     def eligible(self, ids: torch.Tensor, batch: AttentionBatch, tokens_per_seq: int | None) -> bool:
         """Whether the batch fits a captured shape. ``tokens_per_seq``: the caller's count of new
@@ -247,7 +253,7 @@ class StaticTargetForward:
         else:
             st.out.copy_(self.model.forward_target(st.ids, st.batch(), self.pool.kv_cache))
         if bucket > num_seqs:
-            self._zero_scratch()  # padding rows wrote there: no stale entries left behind
+            self._zero_scratch(tokens)  # padding rows wrote there: no stale entries left behind
         return st.out[: ids.shape[0]].clone()
 
     # ---- prefill chunks, padded to a captured shape ----
@@ -274,7 +280,7 @@ class StaticTargetForward:
             st.graph.replay()
         else:
             st.out.copy_(self.model.forward_target(st.ids, st.batch(), self.pool.kv_cache))
-        self._zero_scratch()  # padding rows wrote there: no stale entries left behind
         t = st.tokens
+        self._zero_scratch(t)  # padding rows wrote there: no stale entries left behind
         keep = [i * t + j for i, r in enumerate(rows) for j in range(len(r.token_ids))]
         return st.out[torch.tensor(keep, device=st.out.device)]  # [N, H], a copy (a gather)

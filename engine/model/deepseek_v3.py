@@ -17,7 +17,7 @@ from torch import nn
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.decoder_layer import DecoderLayer, MTPLayer
-from engine.model.layers import RMSNorm
+from engine.model.layers import Linear, RMSNorm
 from engine.model.mla import MultiHeadLatentAttention
 from engine.model.rope import RotaryEmbedding
 
@@ -52,7 +52,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DeepseekV3Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
@@ -92,19 +92,19 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Normalised hidden [..., H] -> logits [..., V] in float32.
 
         CPU inference picks the GEMM layout that this machine's BLAS (MKL on an AMD EPYC, the
-        head cold in cache) runs fastest, measured on the demo model's head: one row, or any
-        rows in a 16-bit dtype, against a contiguous ``[H, V]`` copy (float32, 1 row: 0.8 ms,
-        1.9 ms as ``x @ W.T``); several float32 rows as ``W @ x.T`` (2 / 8 rows: 0.5 / 1.4 ms,
-        against 1.3 / 2.8 ms with the copy and 3.8 / 3.2 ms as ``x @ W.T``). The copy follows
-        the weight's version, so training never reads a stale one. (A bfloat16 draft head was
-        tried on top: no faster end to end once the layouts are right.)"""
+        head cold in cache) runs fastest, measured on the demo model's head: several float32
+        rows go through ``Linear`` (``W @ x.T``: 2 / 8 rows 0.5 / 1.4 ms, against 1.3 / 2.8 ms
+        with the copy below and 3.8 / 3.2 ms as ``x @ W.T``); one row, or any rows in a 16-bit
+        dtype, multiply a contiguous ``[H, V]`` copy (float32, 1 row: 0.8 ms, 1.9 ms as
+        ``x @ W.T``). The copy follows the weight's version, so training never reads a stale
+        one. (A bfloat16 draft head was tried on top: no faster end to end.)"""
         if hidden.is_cuda or torch.is_grad_enabled():
             return self.lm_head(hidden).float()
         flat = hidden.reshape(-1, hidden.shape[-1])  # [R, H]
-        if flat.shape[0] == 1 or flat.dtype != torch.float32:
-            out = flat @ self._head_t()  # [R, V]
+        if flat.shape[0] > 1 and flat.dtype == torch.float32:
+            out = self.lm_head(flat)  # [R, V]
         else:
-            out = (self.lm_head.weight @ flat.t()).t().contiguous()  # [R, V]
+            out = flat @ self._head_t()  # [R, V]
         return out.float().reshape(*hidden.shape[:-1], out.shape[-1])
 
     def _head_t(self) -> torch.Tensor:
