@@ -183,6 +183,9 @@ class LLMEngine:
         # Tokens this step's decode produced before max_tokens / stop truncation: what the
         # chosen speculation (or none) delivers, the measure the adaptive controller compares.
         self._step_tokens = 0
+        # Adaptive: drafting steps so far and the sum of their arms' mean yields, the clock a
+        # finished sequence's relative yield is read from (``_observe_yield``).
+        self._yield_clock: tuple[int, float] = (0, 0.0)
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: list[ZeroEvent] = []
@@ -407,7 +410,8 @@ class LLMEngine:
         self._catch_up_s = None
         self._step_tokens = 0
         if decode:
-            budget, lag, sampled = self._choose_budget(decode, filling=bool(plan.prefill))
+            closed = not plan.prefill and not self.scheduler.num_waiting
+            budget, lag, sampled = self._choose_budget(decode, bool(plan.prefill), closed)
             self.last_decode_budget = budget_label(budget)
             if self.adaptive is not None and plan.prefill:
                 self.wait_for_device()  # time the decode work alone
@@ -437,6 +441,9 @@ class LLMEngine:
                     self.adaptive.observe_catch_up(len(decode), budget, seconds, lag, sampled)
                 else:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
+                if budget.speculates:
+                    steps, expected = self._yield_clock
+                    self._yield_clock = (steps + 1, expected + self.adaptive.arms.mean_yield(sampled, budget))
         return outputs
 
     def wait_for_device(self) -> None:
@@ -446,10 +453,12 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _choose_budget(self, seqs: list[Sequence], filling: bool = False) -> tuple[TreeBudget, int, bool]:
+    def _choose_budget(
+        self, seqs: list[Sequence], filling: bool = False, closed: bool = False
+    ) -> tuple[TreeBudget, int, bool]:
         """This step's budget, the rows the MTP modules are behind, whether any sequence samples
         (the last two only for adaptive speculation). ``filling``: requests are being prefilled
-        in this step (they join the batch).
+        in this step (they join the batch); ``closed``: none is waiting or in prefill.
 
         After an autoregressive step over the same batch the summary is updated, not re-read
         (every sequence one row further behind, one token fewer left): at large batches, where
@@ -462,7 +471,9 @@ class LLMEngine:
         summary = self._summary
         if summary is None or summary.key != key or summary.age >= SUMMARY_REFRESH:
             summary = _BatchSummary(key, *self._decode_summary(seqs), age=0)
-        budget = self.adaptive.choose(self, len(seqs), summary.sampled, summary.lag, summary.left, filling)
+        budget = self.adaptive.choose(
+            self, len(seqs), summary.sampled, summary.lag, summary.left, filling, closed
+        )
         self._summary = None if budget.speculates else summary._replace(
             lag=summary.lag + len(seqs), left=summary.left - 1, age=summary.age + 1
         )
@@ -519,6 +530,8 @@ class LLMEngine:
             logits = self.model.logits(torch.stack([h for _, h in finishing]))  # [F, V]
             tokens = self._sample_rows([seq for seq, _ in finishing], logits)
             for (seq, _), token in zip(finishing, tokens, strict=True):
+                if self.adaptive is not None:
+                    seq.yield_clock = (*self._yield_clock, seq.stats.num_accepted_tokens)
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
             # Catch the MTP modules up over the prompt now, so that the first decode step can
             # already take a device step. Adaptive engines leave it to the first speculative
@@ -786,6 +799,8 @@ class LLMEngine:
                 break
         if reason and seq.num_committed > len(seq.tokens) - 1:
             self._truncate_committed(seq)
+        if reason and drafted is not None:
+            self._observe_yield(seq, accepted or 0)
         outputs.append(
             RequestOutput(
                 request_id=seq.request_id,
@@ -816,6 +831,20 @@ class LLMEngine:
         rows = seq.hidden_rows(0) if seq.pending_hidden else None
         if rows is not None:
             seq.pending_hidden[0] = rows[: max(keep - seq.pending_start[0], 0)]
+
+    def _observe_yield(self, seq: Sequence, last_accepted: int) -> None:
+        """Adaptive speculation: hand the controller a finished sequence's tokens per drafting
+        step against the mean of its arms' (what spreads a closed batch's finish, ``engine.spec.
+        drain``). Its last step is left out: max_tokens or a stop cut its tokens short, and the
+        clock does not count it yet."""
+        if self.adaptive is None or seq.yield_clock is None:
+            return
+        steps0, expected0, accepted0 = seq.yield_clock
+        seq.yield_clock = None
+        steps, expected = self._yield_clock
+        steps -= steps0
+        tokens = seq.stats.num_accepted_tokens - last_accepted - accepted0 + steps
+        self.adaptive.arms.observe_finished(tokens, expected - expected0, steps)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

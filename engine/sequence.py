@@ -49,6 +49,9 @@ class Sequence:
     mtp_committed: list[int] = field(default_factory=list)
     pending_hidden: list[torch.Tensor | None] = field(default_factory=list)
     pending_start: list[int] = field(default_factory=list)
+    # Adaptive speculation: the engine's drafting-step clock (steps, summed mean yields) and this
+    # sequence's accepted tokens when it started decoding (``LLMEngine._observe_yield``).
+    yield_clock: tuple[int, float, int] | None = None
 
     def __post_init__(self) -> None:
         k = self.num_mtp_modules

@@ -31,8 +31,8 @@ def _traced(eng: LLMEngine, trace: list[str]) -> None:
     choose, step = eng._choose_budget, eng.step
     last: list[tuple[str, int, int]] = []
 
-    def choose_traced(seqs, filling=False):  # type: ignore[no-untyped-def]
-        budget, lag, sampled = choose(seqs, filling)
+    def choose_traced(seqs, filling=False, closed=False):  # type: ignore[no-untyped-def]
+        budget, lag, sampled = choose(seqs, filling, closed)
         last.append((budget_label(budget), len(seqs), lag))
         return budget, lag, sampled
 

@@ -81,18 +81,21 @@ class AdaptiveController:
 
     def choose(
         self, engine: LLMEngine, batch_size: int, sampled: bool = False, lag_rows: int = 0,
-        tokens_left: float | None = None, filling: bool = False,
+        tokens_left: float | None = None, filling: bool = False, closed: bool = False,
     ) -> TreeBudget:
         """The budget for this step; ``lag_rows``: rows the MTP modules are behind;
         ``tokens_left``: tokens each sequence may still generate, on average; ``filling``:
-        requests are being admitted into the batch (``MeasuredArms.choose``)."""
+        requests are being admitted into the batch; ``closed``: none waits or is in prefill
+        (``MeasuredArms.choose``)."""
         arms = self._graphed_arms.get(sampled)
         if arms is None:
             arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
         if not arms:  # host-driven path
             tree = self._planned_tree(engine)
             arms = [self.chain] if tree == self.chain else [self.chain, tree]
-        chosen = self.arms.choose(batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling)
+        chosen = self.arms.choose(
+            batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling, closed
+        )
         self.steps_per_arm[chosen] += 1
         return chosen
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from engine.spec.catch_up_cost import CatchUpCost
 from engine.spec.drafter import TreeBudget
+from engine.spec.drain import YieldSpread, closed_batch_seconds
 
 YIELD_RATE = 0.02  # EWMA weight of one sequence-step in the pooled yield
 MIN_MEASURED = 3  # steady steps of an arm before its bucket cost counts
@@ -128,6 +129,11 @@ class MeasuredArms:
         self._held: tuple[tuple[int, bool, tuple[TreeBudget, ...], bool], TreeBudget, int] | None = None
         # What an MTP catch-up costs (the same work for greedy and sampled batches).
         self.catch_up = CatchUpCost()
+        # Tokens per sequence per step of each speculating arm over all its steps, (tokens,
+        # sequence-steps): the reference a sequence's relative yield is taken against.
+        self._lifetime: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
+        # How yields spread over sequences: what a closed batch's drain costs (engine.spec.drain).
+        self.spread = YieldSpread()
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -154,6 +160,20 @@ class MeasuredArms:
             weight = max(1 - (1 - YIELD_RATE) ** batch_size, batch_size / (n + batch_size))
             mean += (tokens / batch_size - mean) * weight
             self._yield[(sampled, arm)] = (mean, n + batch_size)
+            total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
+            self._lifetime[(sampled, arm)] = (total + tokens, seq_steps + batch_size)
+
+    def mean_yield(self, sampled: bool, arm: TreeBudget) -> float:
+        """Tokens per sequence per step ``arm`` has produced over all its steps (1.0 before any):
+        the engine sums it over each sequence's drafting steps, what ``observe_finished`` takes
+        as ``expected``."""
+        total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
+        return total / seq_steps if seq_steps else 1.0
+
+    def observe_finished(self, tokens: float, expected: float, steps: int) -> None:
+        """A finished sequence's ``tokens`` over ``steps`` drafting steps, against the
+        ``expected`` tokens of an average sequence in them (``engine.spec.drain``)."""
+        self.spread.observe(tokens, expected, steps)
 
     def observe_catch_up(
         self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, lag_rows: int,
@@ -218,14 +238,16 @@ class MeasuredArms:
     # ------------------------------------------------------------------ choice
     def choose(
         self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int = 0,
-        tokens_left: float | None = None, filling: bool = False,
+        tokens_left: float | None = None, filling: bool = False, closed: bool = False,
     ) -> TreeBudget:
         """The arm for this step (``arms`` in a fixed order, no speculation first); ``lag_rows``:
         rows the MTP modules are behind (what a drafting step would first catch up);
         ``tokens_left``: tokens each sequence may still generate, on average (its max_tokens
         left; None: unknown), the horizon within which a switch to drafting must pay;
-        ``filling``: requests are being admitted (waiting, or in prefill) and join the batch
-        within steps."""
+        ``filling``: requests are being admitted (in prefill) and join the batch within steps;
+        ``closed``: nothing is waiting or in prefill, so the batch only shrinks and a drafting
+        arm is charged for its drain (``engine.spec.drain``) whenever the spread of yields
+        is known, also while it drafts."""
         target = batch_size.bit_length()
         bucket = self._bucket(target, sampled)
         bucket.steps += 1
@@ -256,24 +278,30 @@ class MeasuredArms:
         if measured_ar is not None and measured_ar.count >= MIN_MEASURED and base is not None:
             base_cost = min(base.per_token, measured_ar.floor)
 
+        drains = closed and tokens_left is not None and self.spread.ready
+
         def pays(arm: TreeBudget) -> bool:
             est = estimates[arm]
-            if not arm.speculates or catch_up <= 0:
+            if not arm.speculates or (catch_up <= 0 and not drains):
                 return True
             if est is None or base_cost is None:
                 # Autoregressive decoding not measured here yet: its few steps cost what the
                 # baseline's do, while a line extrapolated from small batches can put it at
                 # ten times its cost (the H200's noise at batch 4, drawn out to 64).
-                return False
-            # Charged on top of the catch-up: under speculation the batch's sequences finish at
-            # different steps, the last steps carrying few of them, which steady steps do not
-            # show (nor does the catch-up).
-            drain = DRAIN_STEPS * est.step
+                return catch_up <= 0
             # An estimate extrapolated from smaller batches (a line through two of them) is
             # optimistic as far as its host work per sequence was measured short; it must
             # clear the cost by a margin growing with the doublings it spans.
             margin = 1.0 if est.source >= target else 1.0 + EXTRAPOLATION_MARGIN * (target - est.source)
             saving = self._saving(est, base_cost, batch_size, sampled, arm, tokens_left)
+            # Charged on top of the catch-up: under speculation the batch's sequences finish at
+            # different steps, the last steps carrying few of them, which steady steps do not
+            # show (nor does the catch-up). From the spread of yields when it is known and
+            # nothing joins the batch; else a fixed number of the arm's steps.
+            if drains:
+                drain = self._drain_seconds(est, batch_size, sampled, arm, tokens_left)  # type: ignore[arg-type]
+            else:
+                drain = DRAIN_STEPS * est.step
             return saving > margin * (catch_up + drain)
 
         best = arms[min(known)[1]]
@@ -346,6 +374,25 @@ class MeasuredArms:
             tokens_left = SWITCH_HORIZON * self._yield.get((sampled, arm), (1.0, 0))[0]
         tokens = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size
         return tokens * (base_cost - new.per_token)
+
+    def _drain_seconds(
+        self, est: _Estimate, batch_size: int, sampled: bool, arm: TreeBudget, tokens_left: float
+    ) -> float:
+        """What the batch's sequences finishing at different steps adds to ``arm``'s steady cost
+        over the horizon (``engine.spec.drain.closed_batch_seconds`` less the steady cost)."""
+        mean_yield = self._yield.get((sampled, arm), (1.0, 0))[0]
+        steps = min(tokens_left, MAX_HORIZON_TOKENS) / max(mean_yield, 1.0)  # at the mean yield
+        steps_at: dict[int, float] = {}
+
+        def step_at(alive: float) -> float:
+            bucket = max(round(alive), 1).bit_length()
+            if bucket not in steps_at:
+                found = self.estimate(bucket, sampled, arm)
+                steps_at[bucket] = est.step if found is None else found.step
+            return steps_at[bucket]
+
+        whole = closed_batch_seconds(step_at, batch_size, steps, self.spread.quantiles())
+        return max(whole - steps * step_at(batch_size), 0.0)
 
     def _worth_measuring(
         self, target: int, sampled: bool, arm: TreeBudget, est: _Estimate, baseline: TreeBudget,

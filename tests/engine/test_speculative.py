@@ -276,3 +276,34 @@ def test_each_step_reports_the_draft_budget_its_decode_ran_with(small_vocab_dir:
             seen.append(eng.last_decode_budget)
         assert seen[0] is None  # the prefill step decoded nothing
         assert set(seen[1:]) == {budget_label(eng.budget)}, seen
+
+
+def test_adaptive_engine_reports_each_finished_sequences_relative_yield(small_vocab_dir: Path) -> None:
+    """A finished sequence's tokens per drafting step against the arm's mean yield over the
+    same steps, its last (cut) step left out, reach the controller's spread; recomputed here
+    from the outputs of every step and the mean yield after each."""
+    from engine.spec.drain import MIN_DRAFT_STEPS, PRIOR_STEPS
+
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    chain = eng._chain_budget
+    eng.adaptive.choose = lambda *a, **k: chain  # type: ignore[method-assign]
+    for i, n in enumerate((20, 33, 41, 9)):
+        eng.add_request(f"r{i}", [i, 1, 2, 3, 4], SamplingParams(max_tokens=n, temperature=0.0))
+    per_request: dict[str, list[tuple[int, float]]] = {}  # (tokens, mean yield) per drafting step
+    expected_samples = []
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        mean = eng.adaptive.arms.mean_yield(False, chain)
+        for out in outs:
+            if out.step_drafted:
+                per_request.setdefault(out.request_id, []).append((out.step_accepted + 1, mean))
+            if out.finished:
+                steps = per_request.get(out.request_id, [])[:-1]
+                if len(steps) >= MIN_DRAFT_STEPS:
+                    tokens = sum(t for t, _ in steps)
+                    expected = sum(m for _, m in steps)
+                    prior = PRIOR_STEPS * expected / len(steps)
+                    expected_samples.append((tokens + prior) / (expected + prior))
+    assert len(expected_samples) >= 3
+    assert sorted(eng.adaptive.arms.spread._samples) == pytest.approx(sorted(expected_samples))
