@@ -134,7 +134,7 @@ def test_autoregressive_steps_in_between_keep_the_graphed_path_exact(small_vocab
     pattern = [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # 1 = speculate
     no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
     step = iter(range(10**6))
-    eng._choose_budget = lambda seqs, filling=False: (  # type: ignore[method-assign]
+    eng._choose_budget = lambda seqs, filling=False, closed=False: (  # type: ignore[method-assign]
         eng.budget if pattern[next(step) % len(pattern)] else no_spec, 0, False
     )
     caught_up = []
@@ -234,7 +234,7 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
     assert len(eng.graphed_budgets(sampled=True)) == 2
     order = [NO_SPEC, arms[1], arms[1], arms[0], arms[0], NO_SPEC, NO_SPEC, arms[0], arms[1]]
     picks = iter(order * 100)
-    eng.adaptive.choose = lambda engine, batch, sampled=False, lag=0, left=None, filling=False: next(picks)  # type: ignore[union-attr, method-assign]
+    eng.adaptive.choose = lambda *args, **kwargs: next(picks)  # type: ignore[union-attr, method-assign]
     used: list[int] = []
     for runner in eng._graphed_runners[::2]:  # the greedy steps: tree, chain
         run = runner.run
