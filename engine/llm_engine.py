@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -54,6 +55,9 @@ from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
 SUMMARY_REFRESH = 32  # adaptive: steps an updated batch summary stands before it is re-read
+# Zeroing records kept for ``drain_zero_events`` (the service drains them every step): an engine
+# driven offline, which never drains, keeps only the newest.
+MAX_ZERO_EVENTS = 4096
 
 
 class _BatchSummary(NamedTuple):
@@ -188,7 +192,7 @@ class LLMEngine:
         self._yield_clock: tuple[int, float] = (0, 0.0)
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
-        self._zero_events: list[ZeroEvent] = []
+        self._zero_events: deque[ZeroEvent] = deque(maxlen=MAX_ZERO_EVENTS)
         self._arrivals = itertools.count()
 
     def _build_graphed(self, budget: TreeBudget, max_blocks: int) -> list[GraphedTreeStep]:
@@ -374,7 +378,9 @@ class LLMEngine:
         return blocks
 
     def drain_zero_events(self) -> list[ZeroEvent]:
-        events, self._zero_events = self._zero_events, []
+        """Zeroing records since the last call (the newest ``MAX_ZERO_EVENTS`` of them)."""
+        events = list(self._zero_events)
+        self._zero_events.clear()
         return events
 
     def acceptance_snapshot(self) -> dict[str, object]:

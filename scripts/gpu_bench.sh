@@ -13,7 +13,7 @@
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
 # 180), DEADLINE_S (default 540: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
-# BATCH_SIZES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep), VALIDATE_PROMPTS
+# BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep), VALIDATE_PROMPTS
 # (default 8: prompts of the simulator validation), TRACE_BATCHES (e.g. 4,16,64: then
 # scripts/adaptive_trace.py runs after the sweep, at most TRACE_S seconds (default 90), into
 # adaptive-trace.txt, before the validation takes the time left),
@@ -52,7 +52,7 @@ if [ "$LIMIT" -lt 120 ]; then
 fi
 "$PY" -m engine bench offline --model "$MODEL" --device cuda --dtype bfloat16 \
     --check-dtype float32 --check-batch 8 \
-    --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures 0,0.7 \
+    --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures "${TEMPERATURES:-0,0.7}" \
     --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
