@@ -384,7 +384,14 @@ class LLMEngine:
         return events
 
     def acceptance_snapshot(self) -> dict[str, object]:
-        return self.acceptance.snapshot()
+        """Acceptance counters per depth and rank (``AcceptanceStats.from_dict`` reads them) and,
+        under adaptive speculation once enough sequences finished, ``relative_yields``: the
+        spread of tokens per drafting step over sequences (``engine.spec.drain``), what
+        ``mtpserve simulate --closed-batch-tokens`` takes."""
+        snapshot = self.acceptance.snapshot()
+        if self.adaptive is not None and self.adaptive.arms.spread.ready:
+            snapshot["relative_yields"] = list(self.adaptive.arms.spread.quantiles())
+        return snapshot
 
     # ------------------------------------------------------------------ generation
     def generate(

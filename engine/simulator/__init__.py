@@ -11,6 +11,7 @@ speculation and the tree defaults.
 from engine.simulator.acceptance import AcceptanceStats
 from engine.simulator.expected import (
     Estimate,
+    closed_batch_estimate,
     estimate,
     expected_accepted_per_position,
     expected_length,
@@ -41,6 +42,7 @@ __all__ = [
     "TreeShape",
     "ValidationReport",
     "best_budget",
+    "closed_batch_estimate",
     "estimate",
     "expected_accepted_per_position",
     "expected_length",

@@ -160,7 +160,11 @@ class AcceptanceStats:
                 )
             offered = [[reached[d]] * len(row) for d, row in enumerate(accepted)]
         rows: list[tuple[float, ...]] = []
+        reached_counts = None if depth_reached is None else _count_list(depth_reached, "depth_reached")
         for d, (acc_row, off_row) in enumerate(zip(accepted, offered, strict=True)):
+            if not acc_row and reached_counts is not None and d < len(reached_counts) and reached_counts[d]:
+                rows.append((0.0,))  # offered children, none ever accepted: nothing deeper
+                break
             if not acc_row or max(off_row) == 0:
                 break  # never reached: deeper depths reuse the last estimated one
             probs = []

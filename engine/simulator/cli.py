@@ -4,12 +4,17 @@ Usage::
 
     mtpserve simulate --stats STATS.json --latency LATENCY.json [--budget N]
         [--batch-sizes 1 2 4 ...] [--max-depth D] [--max-width K] [--tree SPEC|FILE]
-        [--measured RUNS.json] [--out simulate.png] [--recommend-default]
+        [--measured RUNS.json] [--closed-batch-tokens T [--yield-spread FILE]]
+        [--out simulate.png] [--recommend-default]
 
 Prints, per batch size, the budget and tree with the most predicted tokens/s (budget 0 = no
 speculation), draws the figure, and, when asked, the figures of one given tree (``--tree``:
 ``chain:N``, ``kary:K:N`` or a JSON shape file) and the prediction error against measured runs
-(``--measured``, see ``validation.py``). ``--recommend-default`` prints instead the drafter budget
+(``--measured``, see ``validation.py``). ``--closed-batch-tokens`` also predicts batches that
+nobody joins, whose drain under drafting comes from the spread of yields over sequences
+(``relative_yields`` in ``--yield-spread`` or the stats file, as a live adaptive server's
+``/admin/acceptance`` reports them): the model adaptive speculation charges drafting with
+(``engine.spec.drain``). ``--recommend-default`` prints instead the drafter budget
 (``topk``, ``depth``, ``num_draft_tokens``) of the best tree at the smallest batch size, which is
 how the default trees of ``engine/spec/defaults.py`` are derived (``Derivation.command()`` there
 gives the exact line per device), and writes no figure.
@@ -23,7 +28,7 @@ import sys
 from pathlib import Path
 
 from engine.simulator.acceptance import AcceptanceStats
-from engine.simulator.expected import estimate, node_probabilities
+from engine.simulator.expected import closed_batch_estimate, estimate, node_probabilities
 from engine.simulator.latency import LatencyModel
 from engine.simulator.optimizer import SpeculationPlanner, best_budget
 from engine.simulator.report import format_estimates, format_plans, write_figure
@@ -54,6 +59,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-width", type=_positive, default=None, help="most children per node")
     ap.add_argument("--tree", default=None, help="also evaluate this shape (spec or JSON file)")
     ap.add_argument("--measured", default=None, help="measured runs JSON: report the error")
+    ap.add_argument(
+        "--closed-batch-tokens", type=_positive, default=None,
+        help="also predict closed batches (no newcomers) of sequences generating this many "
+        "tokens each, whose drain under drafting comes from the spread of yields",
+    )  # fmt: skip
+    ap.add_argument(
+        "--yield-spread", default=None,
+        help="JSON with 'relative_yields' (a live server's /admin/acceptance has them); default: "
+        "the --stats file's",
+    )  # fmt: skip
     ap.add_argument("--out", default="simulate.png", help="PNG to write")
     ap.add_argument(
         "--recommend-default",
@@ -84,6 +99,23 @@ def _recommend_default(
     )
     print(plan.shape.pretty(node_probabilities(plan.shape, stats)))
     print(f"widths per depth: {plan.widths_per_depth()}")
+
+
+def _load_spread(path: str) -> list[float]:
+    """``relative_yields`` of a JSON file (ValueError naming the file when absent or bad)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    values = data.get("relative_yields") if isinstance(data, dict) else None
+    if not isinstance(values, list) or not values:
+        raise ValueError(
+            f"{path}: no 'relative_yields' list (an adaptive server's /admin/acceptance reports "
+            "them once 16 sequences have finished; or pass --yield-spread FILE)"
+        )
+    if not all(isinstance(v, int | float) and v > 0 for v in values):
+        raise ValueError(f"{path}: 'relative_yields' must be positive numbers")
+    return [float(v) for v in values]
 
 
 def _load_tree(spec: str) -> TreeShape:
@@ -122,6 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             shape = _load_tree(args.tree)
             print(f"\nGiven tree {args.tree} ({shape.budget} nodes, depth {shape.max_depth}):")
             print(format_estimates([estimate(shape, stats, latency, b) for b in batch_sizes]))
+        if args.closed_batch_tokens is not None:
+            spread = _load_spread(args.yield_spread or args.stats)
+            tokens = args.closed_batch_tokens
+            print(f"\nClosed batches of {tokens} tokens per sequence ({len(spread)} relative "
+                  "yields), each batch size's best tree (a speedup under 1: decode "
+                  "autoregressively):")  # fmt: skip
+            print(format_estimates([
+                closed_batch_estimate(p.shape, stats, latency, p.batch_size, tokens,
+                                      spread if p.budget else [1.0])
+                for p in plans
+            ]))  # fmt: skip
         if args.measured is not None:
             report = prediction_errors(stats, latency, load_measured_runs(args.measured))
             print("\nPrediction error against measured runs:")

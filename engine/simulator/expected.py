@@ -11,15 +11,23 @@ Terms:
     nodes is plain autoregressive decoding: ``verify(b, 1)``.
   - *tokens/s* = ``b * E[accepted length] / step time``; *speedup* = tokens/s over the
     autoregressive ``b / verify(b, 1)``.
+  - *closed batch* (``closed_batch_estimate``): ``b`` sequences with ``T`` tokens each and no
+    newcomers. Autoregressive decoding finishes them in ``T`` steps; drafting when its hardest
+    sequence finishes, each sequence needing ``T / (E[len] * r)`` steps at its relative yield
+    ``r`` (the spread of yields over sequences, measured by adaptive speculation). The cost is
+    ``engine.spec.drain.closed_batch_seconds``, the function adaptive speculation charges a
+    drafting arm's drain with: the scheduler and the simulator share this model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.simulator.acceptance import AcceptanceStats
 from engine.simulator.latency import LatencyModel
 from engine.simulator.tree_shape import TreeShape
+from engine.spec.drain import closed_batch_seconds
 
 
 def node_probabilities(shape: TreeShape, stats: AcceptanceStats) -> list[float]:
@@ -91,5 +99,35 @@ def estimate(
         expected_length=length,
         step_seconds=seconds,
         tokens_per_s=batch_size * length / seconds,
+        ar_tokens_per_s=ar_tokens_per_second(latency, batch_size),
+    )
+
+
+def closed_batch_estimate(
+    shape: TreeShape,
+    stats: AcceptanceStats,
+    latency: LatencyModel,
+    batch_size: int,
+    tokens: int,
+    relative_yields: Sequence[float],
+) -> Estimate:
+    """``estimate`` for a closed batch of ``batch_size`` sequences that each generate ``tokens``
+    (module docstring): the batch drains over its last steps as its sequences' yields spread
+    (``relative_yields``, 1 = the mean); ``step_seconds`` is the mean step of the whole run."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    if not relative_yields or any(r <= 0 for r in relative_yields):
+        raise ValueError("relative_yields must be a non-empty list of positive numbers")
+    length = expected_length(shape, stats)
+    steps = tokens / length
+    seconds = closed_batch_seconds(
+        lambda alive: step_seconds(shape, latency, max(round(alive), 1)), batch_size, steps,
+        list(relative_yields),
+    )  # fmt: skip
+    return Estimate(
+        batch_size=batch_size,
+        expected_length=length,
+        step_seconds=seconds / steps,
+        tokens_per_s=batch_size * tokens / seconds,
         ar_tokens_per_s=ar_tokens_per_second(latency, batch_size),
     )

@@ -307,3 +307,23 @@ def test_adaptive_engine_reports_each_finished_sequences_relative_yield(small_vo
                     expected_samples.append((tokens + prior) / (expected + prior))
     assert len(expected_samples) >= 3
     assert sorted(eng.adaptive.arms.spread._samples) == pytest.approx(sorted(expected_samples))
+
+
+def test_adaptive_snapshot_carries_the_spread_once_enough_sequences_finished(small_vocab_dir: Path) -> None:
+    """``acceptance_snapshot`` (the server's /admin/acceptance) adds the spread of relative yields
+    when it is known; the simulator reads the snapshot as stats either way."""
+    from engine.simulator import AcceptanceStats
+    from engine.spec.drain import MIN_SPREAD, QUANTILES
+
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    chain = eng._chain_budget
+    eng.adaptive.choose = lambda *a, **k: chain  # type: ignore[method-assign]  # drafts: counters
+    eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=12, temperature=0.0))
+    assert "relative_yields" not in eng.acceptance_snapshot()
+    for i in range(MIN_SPREAD):
+        eng.adaptive.arms.observe_finished(20.0 + i, 20.0, 8)
+    snapshot = eng.acceptance_snapshot()
+    yields = snapshot["relative_yields"]
+    assert isinstance(yields, list) and len(yields) == QUANTILES and yields == sorted(yields)
+    AcceptanceStats.from_dict(snapshot)

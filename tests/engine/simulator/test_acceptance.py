@@ -80,3 +80,10 @@ def test_from_counts_rejects_impossible_counters() -> None:
 def test_from_position_counts_gives_conditional_chain_rates() -> None:
     stats = AcceptanceStats.from_position_counts([80, 40, 10], num_steps=100)
     assert stats.rank_accept == ((0.8,), (0.5,), (0.25,))
+
+
+def test_counters_of_drafts_never_accepted_give_zero_acceptance() -> None:
+    """A server whose drafts were all rejected (a snapshot of 11 steps, no rank accepted) is
+    zero acceptance, not an error."""
+    stats = AcceptanceStats.from_dict({"num_steps": 11, "depth_reached": [11], "depth_rank_accepted": [[]]})
+    assert stats.rank_accept == ((0.0,),)
