@@ -103,6 +103,9 @@ class LLMEngine:
         device: torch.device,
     ) -> None:
         cfg = model.config
+        # The stream the engine's work runs on, looked up by the first ``wait_for_device``
+        # (construction already waits: the start-up calibrations time the device).
+        self._stream: torch.cuda.Stream | None = None
         self.model = model
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
@@ -181,7 +184,6 @@ class LLMEngine:
         # nothing): what the metrics count per budget, adaptive speculation's choices.
         self.last_decode_budget: str | None = None
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
-        self._stream: torch.cuda.Stream | None = None  # the stream the engine's steps run on
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
         # Adaptive: the batch summary after an autoregressive step, for the next step's choice.
         self._summary: _BatchSummary | None = None

@@ -327,3 +327,24 @@ def test_adaptive_snapshot_carries_the_spread_once_enough_sequences_finished(sma
     yields = snapshot["relative_yields"]
     assert isinstance(yields, list) and len(yields) == QUANTILES and yields == sorted(yields)
     AcceptanceStats.from_dict(snapshot)
+
+
+def test_adaptive_construction_may_wait_for_the_device(
+    small_vocab_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up catch-up calibration times the device, so every attribute ``wait_for_device``
+    reads exists before it runs (on CUDA a missing one made every adaptive engine fail to
+    build; a CPU engine never reaches that branch, so the calibration itself checks here)."""
+    import engine.llm_engine as llm_engine
+
+    calibrate = llm_engine.calibrate_catch_up
+    waited: list[bool] = []
+
+    def calibrate_after_a_wait(eng: LLMEngine, *args: object, **kwargs: object) -> object:
+        eng.wait_for_device()
+        waited.append(eng._stream is None)  # read by the CUDA branch
+        return calibrate(eng, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llm_engine, "calibrate_catch_up", calibrate_after_a_wait)
+    LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert waited == [True]
