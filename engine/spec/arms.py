@@ -26,8 +26,12 @@ modules up over every row they are behind. Its cost (a fixed part plus a part pe
 counted, for the rows behind now, in the cost of an exploring run and of drafting (and of a run
 of autoregressive steps while drafting: coming back needs one): a drafting arm behind by some
 rows is chosen only if what it saves over the tokens the batch may still generate (its
-requests' max_tokens left, at most ``MAX_HORIZON_TOKENS`` each) exceeds its catch-up and
-``DRAIN_STEPS`` of its steps (drafting spreads the steps at which requests finish). So a
+requests' max_tokens left, at most ``MAX_HORIZON_TOKENS`` each) exceeds its catch-up and its
+drain: drafting spreads the steps at which requests finish. For a closed batch (nothing waiting
+or in prefill) whose spread of per-sequence yields is known (``engine.spec.drain``, reported by
+the engine as sequences finish) the drain is the expected time until its hardest sequence is
+done, at the arm's step costs of the shrinking batch, beyond the steady cost, and it is charged
+also while the arm drafts; otherwise ``DRAIN_STEPS`` of its steps. So a
 large batch of short requests that decodes autoregressively (where the catch-up of hundreds of
 prompts costs many steps) does not pay for probes of drafting that could not pay off, while
 long requests, or a small batch behind by a few rows, switch at once. Every run that would
@@ -53,7 +57,7 @@ EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
 EXPLORE_SHARE_SOON = 0.5  # catch-up of a run measuring an arm that may win here, at most
 CLOSE = 1.1  # a drafting arm within this factor of the drafting arm chosen is re-run soon
 SWITCH_HORIZON = 16  # steps within which a switch to drafting must win back its MTP catch-up
-DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its batch draining unevenly
+DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its drain while the spread is unknown
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
 MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
 EXTRAPOLATION_MARGIN = 0.5  # per batch doubling an estimate is extrapolated over, in a switch
