@@ -126,6 +126,34 @@ class _RowPlan:
         return cls(module, catch_up, frontier, 1 - (module if catch_up else k), meta.to(device), mask.to(device))
 
 
+@dataclass
+class _SteadyRows:
+    """What one step's ``_finish`` handed its sequences: ``rows[i]`` (a view of ``next_rows``
+    [n, P, H], the first ``a + 1`` rows of sequence ``i``) became its ``pending_hidden[0]`` and
+    ``carry[i]`` (views of ``next_carry`` [n, k - 1, H]) its ``pending_hidden[1:k]``."""
+
+    seqs: tuple[Sequence, ...]
+    next_rows: Tensor
+    next_carry: Tensor
+    rows: list[Tensor]
+    carry: list[tuple[Tensor, ...]]
+
+    def holds(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` are these sequences in this order, each still holding exactly the
+        rows handed to it (anything that consumed, truncated or appended MTP rows since replaced
+        the tensors: identity, not values, is checked; ``eligible`` has folded any appended
+        rows into new tensors by then)."""
+        if len(seqs) != len(self.seqs) or any(a is not b for a, b in zip(seqs, self.seqs, strict=True)):
+            return False
+        for s, rows, carry in zip(seqs, self.rows, self.carry, strict=True):
+            hidden = s.pending_hidden
+            if hidden[0] is not rows:
+                return False
+            if any(h is not c for h, c in zip(hidden[1:], carry, strict=True)):
+                return False
+        return True
+
+
 class _Buffers:
     """Static inputs and outputs of one batch bucket."""
 
@@ -157,6 +185,9 @@ class _Buffers:
         }
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # step variant -> draft/verify/accept
         self.rollback_graph: torch.cuda.CUDAGraph | None = None
+        # The last step's sequences and the MTP rows it handed them (``_SteadyRows``): the next
+        # step over the same sequences, untouched since, loads them in two copies.
+        self.steady: _SteadyRows | None = None
 
     def set_padding(self, start: int, g: GraphedTreeStep) -> None:
         """Rows ``start:`` become dummy sequences living in the scratch blocks."""
@@ -341,13 +372,21 @@ class GraphedTreeStep:
         buf.c[:n].copy_(torch.tensor(c))
         if n < buf.bucket:
             buf.set_padding(n, self)
-        rows0 = torch.nn.utils.rnn.pad_sequence(
-            [s.pending_hidden[0] for s in seqs], batch_first=True  # type: ignore[misc]
-        )  # [n, max c, H]
-        buf.rows0[:n, : rows0.shape[1]].copy_(rows0)
-        if self.k > 1:
-            carry = torch.cat([h for s in seqs for h in s.pending_hidden[1 : self.k]])  # type: ignore[misc]
-            buf.carry[:n].copy_(carry.view(n, self.k - 1, self.hidden_size))
+        steady, buf.steady = buf.steady, None
+        if steady is not None and steady.holds(seqs):
+            # The previous step's outputs as they are: rows past a sequence's ``c`` are padding
+            # rows of the catch-up, whose values nothing valid reads (as the stale rows beyond
+            # the longest ``c`` of the general path below).
+            buf.rows0[:n, : steady.next_rows.shape[1]].copy_(steady.next_rows)
+            buf.carry[:n].copy_(steady.next_carry)
+        else:
+            rows0 = torch.nn.utils.rnn.pad_sequence(
+                [s.pending_hidden[0] for s in seqs], batch_first=True  # type: ignore[misc]
+            )  # [n, max c, H]
+            buf.rows0[:n, : rows0.shape[1]].copy_(rows0)
+            if self.k > 1:
+                carry = torch.cat([h for s in seqs for h in s.pending_hidden[1 : self.k]])  # type: ignore[misc]
+                buf.carry[:n].copy_(carry.view(n, self.k - 1, self.hidden_size))
         self._load_sampling(buf, seqs)
         return c
 
@@ -377,6 +416,9 @@ class GraphedTreeStep:
         next_rows = buf.next_rows[:n].clone()  # [n, P, H]
         next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
         packed = buf.packed[:n].tolist()  # the step's one device -> host copy
+        rows_of = next_rows.unbind(0)  # n views [P, H], made in one call
+        carry_of = [c.split(1) for c in next_carry.unbind(0)] if self.k > 1 else [()] * n
+        handed: list[Tensor] = []
         results = []
         for i, s in enumerate(seqs):
             row = packed[i]
@@ -392,15 +434,19 @@ class GraphedTreeStep:
                     child_ranks=ranks[1 : a + 1],
                 )
             )
-            L = s.num_committed
-            for d in range(1, self.k + 1):
-                s.mtp_committed[d - 1] += c[i]
-            s.pending_hidden[0] = next_rows[i, : a + 1]
+            L, ci = s.num_committed, c[i]
+            committed = s.mtp_committed
+            for d in range(self.k):
+                committed[d] += ci
+            rows = rows_of[i][: a + 1]
+            handed.append(rows)
+            s.pending_hidden[0] = rows
             s.pending_start[0] = L
-            for d in range(1, self.k):
-                s.pending_hidden[d] = next_carry[i, d - 1 : d]
+            for d, carried in enumerate(carry_of[i], start=1):
+                s.pending_hidden[d] = carried  # [1, H]
                 s.pending_start[d] = L - d
             s.num_committed = L + a + 1
+        buf.steady = _SteadyRows(tuple(seqs), next_rows, next_carry, handed, carry_of)
         return results
 
     # ------------------------------------------------------------------ device program

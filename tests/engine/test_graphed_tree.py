@@ -244,3 +244,49 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
     assert {arms[0].num_draft_tokens, arms[1].num_draft_tokens} <= set(used)
     assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
     assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
+
+
+def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
+    small_vocab_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step over the same sequences as the last, untouched since, loads their MTP rows as the
+    previous step's outputs in two copies (``_SteadyRows``); it must load what the general path
+    loads on every valid row, and anything that replaced a sequence's rows (a finished request
+    leaving, an autoregressive step in between) must send the step down the general path."""
+    from engine.spec import graphed_tree
+    from engine.spec.adaptive import NO_SPEC
+
+    eng, _ = _engine(small_vocab_dir, SPECS[1])
+    assert eng.graphed_tree is not None
+    g = eng.graphed_tree
+    fast: list[bool] = []
+    holds = graphed_tree._SteadyRows.holds
+
+    def checked_holds(self: graphed_tree._SteadyRows, seqs: list) -> bool:  # type: ignore[type-arg]
+        ok = holds(self, seqs)
+        fast.append(ok)
+        if ok:  # what the general path would load, on the rows it loads
+            for i, s in enumerate(seqs):
+                assert torch.equal(self.next_rows[i, : s.pending_hidden[0].shape[0]], s.pending_hidden[0])
+                for d in range(1, g.k):
+                    assert torch.equal(self.next_carry[i, d - 1 : d], s.pending_hidden[d])
+        return ok
+
+    monkeypatch.setattr(graphed_tree._SteadyRows, "holds", checked_holds)
+    lengths = (12, 25, 40, 40)
+    params = {f"r{i}": (p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+              for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))}  # fmt: skip
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+    want = _serve(base, params)
+    got = _serve(eng, params)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+    assert fast.count(True) >= 10 and fast.count(False) >= 1, fast  # steady runs, and a request leaving
+    # An autoregressive step in between replaces the rows (the hidden log hands them over).
+    eng2 = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=STATIC)
+    assert eng2.adaptive is not None
+    picks = iter([eng2.budget] * 6 + [NO_SPEC] + [eng2.budget] * 200)
+    eng2.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
+    fast.clear()
+    got2 = _serve(eng2, params)
+    assert {r: o.token_ids for r, o in got2.items()} == {r: o.token_ids for r, o in want.items()}
+    assert False in fast[4:8], fast
