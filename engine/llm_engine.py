@@ -55,6 +55,9 @@ from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
 SUMMARY_REFRESH = 32  # adaptive: steps an updated batch summary stands before it is re-read
+# Adaptive: steps without a new request after which the running batch counts as closed (it
+# only shrinks), unless the caller said so from the start (``LLMEngine.closed_workload``).
+QUIET_STEPS_FOR_CLOSED = 32
 # Zeroing records kept for ``drain_zero_events`` (the service drains them every step): an engine
 # driven offline, which never drains, keeps only the newest.
 MAX_ZERO_EVENTS = 4096
@@ -193,6 +196,13 @@ class LLMEngine:
         # Adaptive: drafting steps so far and the sum of their arms' mean yields, the clock a
         # finished sequence's relative yield is read from (``_observe_yield``).
         self._yield_clock: tuple[int, float] = (0, 0.0)
+        # Whether the running batch may still be joined: a server's is, as finished requests'
+        # slots are refilled, so a drafting batch does not drain; an offline batch's is not.
+        # The caller says so (``generate`` does, for its batch), or ``QUIET_STEPS_FOR_CLOSED``
+        # steps without a new request do. Adaptive speculation charges a closed batch's
+        # drafting for its drain (``engine.spec.drain``).
+        self.closed_workload = False
+        self._steps_since_arrival = 0
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: deque[ZeroEvent] = deque(maxlen=MAX_ZERO_EVENTS)
@@ -309,6 +319,7 @@ class LLMEngine:
             seq.finish_reason = None
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
+        self._steps_since_arrival = 0
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -407,14 +418,19 @@ class LLMEngine:
         for rid, prompt in zip(ids, prompt_token_ids, strict=True):
             self.add_request(rid, list(prompt), sampling)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        closed, self.closed_workload = self.closed_workload, True  # nothing joins this batch
+        try:
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            self.closed_workload = closed
         return [final[rid] for rid in ids]
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        self._steps_since_arrival += 1
         plan = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if plan.prefill:
@@ -426,7 +442,9 @@ class LLMEngine:
         self._catch_up_s = None
         self._step_tokens = 0
         if decode:
-            closed = not plan.prefill and not self.scheduler.num_waiting
+            closed = not plan.prefill and not self.scheduler.num_waiting and (
+                self.closed_workload or self._steps_since_arrival >= QUIET_STEPS_FOR_CLOSED
+            )
             budget, lag, sampled = self._choose_budget(decode, bool(plan.prefill), closed)
             self.last_decode_budget = budget_label(budget)
             if self.adaptive is not None and plan.prefill:

@@ -249,7 +249,8 @@ class MeasuredArms:
         ``tokens_left``: tokens each sequence may still generate, on average (its max_tokens
         left; None: unknown), the horizon within which a switch to drafting must pay;
         ``filling``: requests are being admitted (in prefill) and join the batch within steps;
-        ``closed``: nothing is waiting or in prefill, so the batch only shrinks and a drafting
+        ``closed``: nothing joins the batch (none waiting or in prefill, and the caller said so
+        or no request arrived for a while: ``LLMEngine.step``), so it only shrinks and a drafting
         arm is charged for its drain (``engine.spec.drain``) whenever the spread of yields
         is known, also while it drafts."""
         target = batch_size.bit_length()

@@ -348,3 +348,33 @@ def test_adaptive_construction_may_wait_for_the_device(
     monkeypatch.setattr(llm_engine, "calibrate_catch_up", calibrate_after_a_wait)
     LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     assert waited == [True]
+
+
+def test_a_batch_counts_as_closed_when_the_caller_says_so_or_nothing_joined_for_a_while(
+    small_vocab_dir: Path,
+) -> None:
+    """Adaptive speculation charges drafting for a batch's drain only when the batch only
+    shrinks: in ``generate`` (an offline batch) from its first decode step; when requests are
+    added and stepped by hand (a server) only after ``QUIET_STEPS_FOR_CLOSED`` steps without a
+    new request, and never while one is being prefilled."""
+    from engine.llm_engine import QUIET_STEPS_FOR_CLOSED
+
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    seen: list[bool] = []
+    eng.adaptive.choose = lambda *a, **k: (seen.append(a[-1]), NO_SPEC)[1]  # type: ignore[method-assign]
+    sp = SamplingParams(max_tokens=QUIET_STEPS_FOR_CLOSED + 8, temperature=0.0, ignore_eos=True)
+    eng.generate([[1, 2, 3], [2, 3, 4]], sp)
+    assert seen and all(seen)
+    assert not eng.closed_workload
+    seen.clear()
+    eng.add_request("a", [1, 2, 3], sp)
+    eng.step()  # prefill
+    for _ in range(QUIET_STEPS_FOR_CLOSED + 4):
+        eng.step()
+    assert not any(seen[: QUIET_STEPS_FOR_CLOSED - 2]) and all(seen[QUIET_STEPS_FOR_CLOSED:])
+    seen.clear()
+    eng.add_request("b", [4, 5], sp)  # a newcomer: open again
+    eng.step()
+    eng.step()
+    assert seen == [False, False]
