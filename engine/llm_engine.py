@@ -181,8 +181,10 @@ class LLMEngine:
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
-            # What a switch to drafting costs, before the first one is measured.
+            # What a switch to drafting costs, before the first one is measured; and the
+            # latency model the host path plans its tree with.
             self.adaptive.arms.catch_up.calibrate(calibrate_catch_up(self))
+            self.adaptive.calibrate_if_planning(self)
         # The draft budget of the last step's decode (``budget_label``; None: it decoded
         # nothing): what the metrics count per budget, adaptive speculation's choices.
         self.last_decode_budget: str | None = None

@@ -378,3 +378,13 @@ def test_a_batch_counts_as_closed_when_the_caller_says_so_or_nothing_joined_for_
     eng.step()
     eng.step()
     assert seen == [False, False]
+
+
+def test_host_path_adaptive_engines_calibrate_their_latency_model_at_start_up(small_vocab_dir: Path) -> None:
+    """The host path plans its tree with a latency model timed on the device: at construction,
+    not inside the first request; an engine with captured steps never plans and skips it."""
+    host = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert host.adaptive is not None and host.adaptive.latency is not None
+    graphed = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
+                                        engine_config=EngineConfig(cuda_graphs=True))  # fmt: skip
+    assert graphed.adaptive is not None and graphed.adaptive.latency is None
