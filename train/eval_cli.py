@@ -14,7 +14,8 @@ Held-out data are local ``.py`` files the model never trained on (``train.heldou
   - the repeated 4-gram share of real held-out code in windows of the same length (reference).
 
 Writes one JSON (``--out``, default ``DIR/eval.json``) and prints a short table. The JSON's
-``simulator_stats`` (the tree run at temperature 1.0) is what ``mtpserve simulate --stats``
+``simulator_stats`` (the tree run at temperature 1.0, with the spread of its prompts' yields,
+``relative_yields``, for ``--closed-batch-tokens``) is what ``mtpserve simulate --stats``
 reads; ``--stats-out`` writes it alone.
 """
 

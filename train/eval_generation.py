@@ -22,6 +22,7 @@ from typing import Any
 
 from engine import LLMEngine, SamplingParams, SpecConfig
 from engine.outputs import RequestOutput
+from engine.spec.drain import relative_yields
 from train.eval_metrics import repeated_ngram_share, summarize_outputs
 
 SAMPLING_SEED = 0
@@ -83,6 +84,18 @@ def warm_up(model_dir: str | Path, prompt: list[int], device: str, dtype: str) -
     eng.generate(prompt_token_ids=[prompt], sampling=SamplingParams(max_tokens=4, temperature=0))
 
 
+def _snapshot(eng: LLMEngine, outputs: list[RequestOutput]) -> dict[str, Any]:
+    """The engine's acceptance counters and, for a drafting mode, the spread of the prompts'
+    yields (``relative_yields``: what ``mtpserve simulate --closed-batch-tokens`` reads)."""
+    snapshot = dict(eng.acceptance_snapshot())
+    if eng.budget.speculates and "relative_yields" not in snapshot:
+        per_sequence = [(o.stats.num_accepted_tokens + o.stats.num_steps, o.stats.num_steps) for o in outputs]
+        yields = relative_yields(per_sequence)
+        if yields:
+            snapshot["relative_yields"] = yields
+    return snapshot
+
+
 def run_modes(
     model_dir: str | Path,
     prompts: list[list[int]],
@@ -111,7 +124,7 @@ def run_modes(
                 "depth": budget.depth,
                 "num_draft_tokens": budget.num_draft_tokens,
             },
-            snapshot=dict(eng.acceptance_snapshot()),  # taken before the timing rounds
+            snapshot=_snapshot(eng, outputs),  # taken before the timing rounds
             batched_s=[seconds],
         )
         engines[mode.name] = eng

@@ -39,7 +39,8 @@ PRIOR_STEPS = 2.0  # pseudo-steps of the mean yield each sample is shrunk toward
 class YieldSpread:
     """Relative yields of the last ``SPREAD_WINDOW`` finished sequences."""
 
-    def __init__(self, window: int = SPREAD_WINDOW) -> None:
+    def __init__(self, window: int = SPREAD_WINDOW, min_steps: int = MIN_DRAFT_STEPS) -> None:
+        self.min_steps = min_steps
         self._samples: deque[float] = deque(maxlen=window)
         self._quantiles: list[float] | None = None
 
@@ -49,7 +50,7 @@ class YieldSpread:
     def observe(self, tokens: float, expected: float, steps: int) -> None:
         """A finished sequence produced ``tokens`` in ``steps`` drafting steps, in which the
         batches' mean tokens per sequence summed to ``expected``."""
-        if steps < MIN_DRAFT_STEPS or expected <= 0:
+        if steps < self.min_steps or expected <= 0:
             return
         prior = PRIOR_STEPS * expected / steps
         self._samples.append((tokens + prior) / (expected + prior))
@@ -83,3 +84,19 @@ def closed_batch_seconds(
         total += (need - previous) * any_alive * step_at(batch * (1.0 - done) / any_alive)
         previous = need
     return total
+
+
+def relative_yields(per_sequence: list[tuple[int, int]]) -> list[float]:
+    """The spread of finished sequences given as (tokens, drafting steps) each, every sequence
+    against the mean of them all (an offline run, ``mtpserve eval``): ``QUANTILES`` points, or
+    none without a drafting step. Every sequence that drafted counts, however short (the
+    shrinkage toward the mean weighs its few steps), since an offline run has few sequences."""
+    drafted = [(tokens, steps) for tokens, steps in per_sequence if steps > 0]
+    total_steps = sum(steps for _, steps in drafted)
+    if not total_steps:
+        return []
+    mean = sum(tokens for tokens, _ in drafted) / total_steps
+    spread = YieldSpread(window=len(drafted), min_steps=1)
+    for tokens, steps in drafted:
+        spread.observe(tokens, steps * mean, steps)
+    return spread.quantiles() if len(spread) else []

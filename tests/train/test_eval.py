@@ -117,3 +117,17 @@ def test_summary_pools_requests() -> None:
     assert summary["acceptance_per_position"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
     assert summary["draft_acceptance_rate"] == pytest.approx(6 / 16)
     assert summary["finish_reasons"] == {"length": 2}
+
+
+def test_the_written_stats_carry_the_prompts_spread_for_closed_batches(
+    evaluated: dict[str, Any], tmp_path: Path
+) -> None:
+    from engine.simulator.cli import main as simulate
+    from engine.spec.drain import QUANTILES
+
+    yields = evaluated["simulator_stats"]["relative_yields"]
+    assert len(yields) == QUANTILES and yields == sorted(yields) and all(y > 0 for y in yields)
+    latency = Path(__file__).parents[2] / "engine" / "simulator" / "examples" / "latency_example.json"
+    rc = simulate(["--stats", str(evaluated["_stats_path"]), "--latency", str(latency), "--budget", "4",
+                   "--batch-sizes", "1", "8", "--closed-batch-tokens", "32", "--out", str(tmp_path / "s.png")])  # fmt: skip
+    assert rc == 0

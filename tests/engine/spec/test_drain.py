@@ -83,3 +83,15 @@ def test_the_spread_keeps_sequences_that_drafted_enough_shrunk_toward_the_mean()
     assert spread.ready
     q = spread.quantiles()
     assert len(q) == QUANTILES and q == sorted(q) and q[0] == pytest.approx(0.6)
+
+
+def test_an_offline_runs_spread_is_each_sequence_against_the_mean_of_all() -> None:
+    """Sequences of 30 and 10 tokens in 10 drafting steps each: the mean yield is 2, so each
+    expected 20 tokens; shrunk by two pseudo-steps of the mean (4 tokens) they are 34/24 and
+    14/24. A sequence without a drafting step is left out."""
+    from engine.spec.drain import relative_yields
+
+    got = relative_yields([(30, 10), (10, 10), (5, 0)])
+    assert len(got) == QUANTILES
+    assert sorted(set(got)) == pytest.approx([14 / 24, 34 / 24])
+    assert relative_yields([(5, 0)]) == []
