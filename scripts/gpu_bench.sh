@@ -17,6 +17,9 @@
 # (default 8: prompts of the simulator validation), TRACE_BATCHES (e.g. 4,16,64: then
 # scripts/adaptive_trace.py runs after the sweep, at most TRACE_S seconds (default 90), into
 # adaptive-trace.txt, before the validation takes the time left),
+# PROFILE_BATCHES (e.g. 1,64: then scripts/gpu_profile.py runs after the trace, at most
+# PROFILE_S seconds (default 120), with --catch-up and host profiles at the last of them, into
+# RESULTS_DIR/profile.tar.gz: one file, as the device tool brings back 8 at most),
 # MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +68,16 @@ if [ -n "${TRACE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
     timeout "$TRACE_LIMIT" "$PY" scripts/adaptive_trace.py --model "$MODEL" --device cuda \
         --batch-sizes "$TRACE_BATCHES" > "$OUT/adaptive-trace.txt" 2>&1 \
         || echo "== adaptive trace exited with status $?"
+fi
+LEFT=$(( END_S - ($(date +%s) - START) ))
+if [ -n "${PROFILE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
+    PROFILE_LIMIT=$(( LEFT < ${PROFILE_S:-120} ? LEFT : ${PROFILE_S:-120} ))
+    echo "== profile at batches ${PROFILE_BATCHES} (${PROFILE_LIMIT} s)"
+    PROF=$(mktemp -d)
+    timeout "$PROFILE_LIMIT" "$PY" scripts/gpu_profile.py "$PROF" --model "$MODEL" \
+        --batch-sizes "$PROFILE_BATCHES" --host-profile-batch "${PROFILE_BATCHES##*,}" --catch-up \
+        > "$PROF/stdout.txt" 2>&1 || echo "== profile exited with status $?"
+    tar czf "$OUT/profile.tar.gz" -C "$PROF" .
 fi
 LEFT=$(( END_S - ($(date +%s) - START) ))
 if [ "$LEFT" -gt 40 ]; then
