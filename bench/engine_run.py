@@ -53,11 +53,8 @@ def synchronize(device: torch.device) -> None:
 def run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParams) -> BatchRun:
     """Generate for ``prompts`` together (one engine batch) and time every step. As in
     ``LLMEngine.generate``, the engine is told that nothing joins the batch."""
-    closed, eng.closed_workload = eng.closed_workload, True
-    try:
+    with eng.closed_batch():
         return _run_batch(eng, prompts, sampling)
-    finally:
-        eng.closed_workload = closed
 
 
 def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParams) -> BatchRun:

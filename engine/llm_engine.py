@@ -9,10 +9,12 @@ compaction with the rejected slots zeroed). The engine is single-threaded; the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -200,7 +202,7 @@ class LLMEngine:
         self._yield_clock: tuple[int, float] = (0, 0.0)
         # Whether the running batch may still be joined: a server's is, as finished requests'
         # slots are refilled, so a drafting batch does not drain; an offline batch's is not.
-        # The caller says so (``generate`` does, for its batch), or ``QUIET_STEPS_FOR_CLOSED``
+        # The caller says so (``closed_batch``; ``generate`` does), or ``QUIET_STEPS_FOR_CLOSED``
         # steps without a new request do. Adaptive speculation charges a closed batch's
         # drafting for its drain (``engine.spec.drain``).
         self.closed_workload = False
@@ -420,15 +422,23 @@ class LLMEngine:
         for rid, prompt in zip(ids, prompt_token_ids, strict=True):
             self.add_request(rid, list(prompt), sampling)
         final: dict[str, RequestOutput] = {}
-        closed, self.closed_workload = self.closed_workload, True  # nothing joins this batch
-        try:
+        with self.closed_batch():
             while len(final) < len(ids):
                 for out in self.step():
                     if out.finished:
                         final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    @contextlib.contextmanager
+    def closed_batch(self) -> Iterator[None]:
+        """Within: no request joins the running ones (an offline batch), so adaptive
+        speculation charges drafting for the batch's drain from its first step
+        (``closed_workload``)."""
+        closed, self.closed_workload = self.closed_workload, True
+        try:
+            yield
         finally:
             self.closed_workload = closed
-        return [final[rid] for rid in ids]
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.simulator.json_file import read_json
+
 # Ranks of one depth may sum to slightly above 1 after rounding in a JSON file.
 _SUM_TOLERANCE = 1e-6
 
@@ -103,10 +105,7 @@ class AcceptanceStats:
     @classmethod
     def from_json(cls, path: str | Path) -> AcceptanceStats:
         """Read stats from a JSON file (either format of ``from_dict``)."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+        data = read_json(path)
         try:
             return cls.from_dict(data)
         except ValueError as exc:
@@ -158,13 +157,11 @@ class AcceptanceStats:
                     f"depth_reached has {len(reached)} depths but depth_rank_accepted has "
                     f"{len(accepted)}"
                 )
+            # A depth reached but never accepted through counts rank 0, accepted 0 times.
+            accepted = [row or [0] for row in accepted]
             offered = [[reached[d]] * len(row) for d, row in enumerate(accepted)]
         rows: list[tuple[float, ...]] = []
-        reached_counts = None if depth_reached is None else _count_list(depth_reached, "depth_reached")
         for d, (acc_row, off_row) in enumerate(zip(accepted, offered, strict=True)):
-            if not acc_row and reached_counts is not None and d < len(reached_counts) and reached_counts[d]:
-                rows.append((0.0,))  # offered children, none ever accepted: nothing deeper
-                break
             if not acc_row or max(off_row) == 0:
                 break  # never reached: deeper depths reuse the last estimated one
             probs = []

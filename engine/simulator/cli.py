@@ -23,12 +23,12 @@ gives the exact line per device), and writes no figure.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from engine.simulator.acceptance import AcceptanceStats
 from engine.simulator.expected import closed_batch_estimate, estimate, node_probabilities
+from engine.simulator.json_file import read_json
 from engine.simulator.latency import LatencyModel
 from engine.simulator.optimizer import SpeculationPlanner, best_budget
 from engine.simulator.report import format_estimates, format_plans, write_figure
@@ -103,10 +103,7 @@ def _recommend_default(
 
 def _load_spread(path: str) -> list[float]:
     """``relative_yields`` of a JSON file (ValueError naming the file when absent or bad)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    data = read_json(path)
     values = data.get("relative_yields") if isinstance(data, dict) else None
     if not isinstance(values, list) or not values:
         raise ValueError(
@@ -121,10 +118,7 @@ def _load_spread(path: str) -> list[float]:
 def _load_tree(spec: str) -> TreeShape:
     path = Path(spec)
     if path.suffix == ".json" or path.is_file():
-        try:
-            return TreeShape.from_dict(json.loads(path.read_text()))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{spec}: not valid JSON ({exc.msg})") from exc
+        return TreeShape.from_dict(read_json(path))
     return TreeShape.parse(spec)
 
 

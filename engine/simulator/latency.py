@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from engine.simulator.json_file import read_json
+
 
 class Surface(Protocol):
     """Seconds of one forward as a function of (batch size, tokens per sequence)."""
@@ -208,10 +210,7 @@ class LatencyModel:
 
     @classmethod
     def from_json(cls, path: str | Path) -> LatencyModel:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+        data = read_json(path)
         try:
             return cls.fit(data)
         except ValueError as exc:

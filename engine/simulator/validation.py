@@ -11,7 +11,6 @@ JSON (a list): ``[{"name": "chain4", "tree": "chain:4" | {"parents": [...], "ran
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 
 from engine.simulator.acceptance import AcceptanceStats
 from engine.simulator.expected import estimate, expected_length
+from engine.simulator.json_file import read_json
 from engine.simulator.latency import LatencyModel
 from engine.simulator.tree_shape import TreeShape
 
@@ -62,10 +62,7 @@ class MeasuredRun:
 
 def load_measured_runs(path: str | Path) -> list[MeasuredRun]:
     """Read a JSON list of measured runs (module docstring)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    data = read_json(path)
     if not isinstance(data, list):
         raise ValueError(f"{path}: measured runs must be a JSON list")
     try:

@@ -33,7 +33,6 @@ STEP_MS = {  # (batch, ms per step)
 }
 YIELD = {TREE: 4.7, CHAIN: 3.3}  # tokens per sequence per step, on average
 CALIBRATION = [(64, 0.013), (1024, 0.031), (4096, 0.046)]  # catch-ups timed at start-up
-CATCH_UP_FIXED = 0.012  # seconds of a catch-up beyond its 7 us per row
 
 
 def _step_seconds(arm: TreeBudget, batch: int, ar_factor: float) -> float:
@@ -46,13 +45,10 @@ def _step_seconds(arm: TreeBudget, batch: int, ar_factor: float) -> float:
     return ms * 1e-3 * (ar_factor if arm == NO_SPEC else 1.0)
 
 
-def _round(
-    arms: MeasuredArms, rng: random.Random, batch: int, tokens: int, ar_factor: float,
-    spread: bool = True,
-) -> float:
-    """One static batch decoded to ``tokens`` each: seconds, catch-ups included. ``spread``:
-    finished sequences report their relative yields and the batch is closed (as the engine
-    runs it), so drafting is charged for its drain from the spread; else a fixed drain."""
+def _round(arms: MeasuredArms, rng: random.Random, batch: int, tokens: int, ar_factor: float) -> float:
+    """One static batch decoded to ``tokens`` each: seconds, catch-ups included. Finished
+    sequences report their relative yields and the batch is closed, as the engine runs it, so
+    drafting is charged for its drain from the spread once it is known."""
     lag = batch * 55  # the prompts' rows beyond a steady step's slack
     done = [0] * batch
     share = [rng.uniform(0.55, 1.45) for _ in range(batch)]  # how well each prompt is drafted
@@ -62,7 +58,7 @@ def _round(
     while min(done) < tokens:
         alive = [i for i in range(batch) if done[i] < tokens]
         left = sum(tokens - done[i] for i in alive) / len(alive)
-        arm = arms.choose(len(alive), False, ARMS, lag, left, closed=spread)
+        arm = arms.choose(len(alive), False, ARMS, lag, left, closed=True)
         step = _step_seconds(arm, len(alive), ar_factor) * rng.uniform(0.95, 1.1)
         produced = 0
         mean = arms.mean_yield(False, arm)
@@ -72,12 +68,12 @@ def _round(
             done[i] += n
             produced += n
             steps, made, expected = drafted[i]
-            if done[i] == tokens and spread:  # its last step is cut short: left out
+            if done[i] == tokens:  # its last step is cut short: left out
                 arms.observe_finished(made, expected, steps)
             elif arm.speculates:
                 drafted[i] = [steps + 1, made + n, expected + mean]
         if arm.speculates and lag:
-            catch_up = CATCH_UP_FIXED + 7e-6 * lag
+            catch_up = 0.012 + 7e-6 * lag
             arms.observe_catch_up(len(alive), False, arm, catch_up, lag, timed_alone=True)
             seconds += catch_up
             lag = 0
