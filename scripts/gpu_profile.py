@@ -146,6 +146,30 @@ def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 24) -> 
     return text.getvalue()
 
 
+def _label_phases(g) -> None:  # type: ignore[no-untyped-def]
+    """Name the phases of ``g``'s device program in the torch profile (rows ``phase:*``): the
+    MTP forwards, the tree growth per depth, the tree selection, the verify forward and the
+    acceptance (instance attributes: only this diagnosis sees them)."""
+    from torch.profiler import record_function
+
+    def labelled(name: str, fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            with record_function(f"phase:{name}"):
+                return fn(*args, **kwargs)
+
+        return run
+
+    g._mtp_forward = labelled("mtp_forward", g._mtp_forward)
+    g._grow = labelled("grow", g._grow)
+    g._tree = labelled("select_tree", g._tree)
+    g._accept = labelled("accept", g._accept)
+    model = g.model
+    g.model = type("Labelled", (), {})()
+    for name in ("forward_mtp", "lm_head", "mtp_cache_layer"):
+        setattr(g.model, name, getattr(model, name))
+    g.model.forward_target = labelled("verify_forward", model.forward_target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -218,6 +242,7 @@ def main() -> None:
     buf = g._buffers[1]
     from torch.profiler import ProfilerActivity, profile
 
+    _label_phases(g)
     with torch.inference_mode():  # as captured: the fused inference kernels apply
         g._draft_verify_accept(buf)
         torch.cuda.synchronize()
@@ -227,8 +252,9 @@ def main() -> None:
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     report["eager_kernels_b1"] = len(events)
     report["eager_kernel_time_ms_b1"] = sum(e.device_time for e in events) / 1e3
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    (out / "kernels.txt").write_text(table)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
+    by_count = prof.key_averages().table(sort_by="count", row_limit=80)
+    (out / "kernels.txt").write_text(table + "\n\nBy number of calls:\n" + by_count)
     (out / "gpu_profile.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
