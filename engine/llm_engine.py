@@ -690,6 +690,8 @@ class LLMEngine:
         self, fast: GraphedTreeStep, seqs: list[Sequence]
     ) -> tuple[list[Sequence], list[Sequence]]:
         """(sequences ``fast`` takes this step, the others)."""
+        if fast.continues(seqs):  # its last step's batch, untouched: no per-sequence checks
+            return seqs, []
         ready = [fast.eligible(s) for s in seqs]
         lagging = [s for s, ok in zip(seqs, ready, strict=True) if not ok and fast.serves(s.sampling)]
         if lagging and self.drafter is not None:

@@ -77,6 +77,11 @@ class Sequence:
         return self.num_uncomputed > 1 or len(self.tokens) == self.output_start
 
     # ---- MTP hidden-state queue ----
+    @property
+    def has_hidden_tail(self) -> bool:
+        """Rows were appended since the queue was last read (``hidden_rows`` folds them in)."""
+        return any(self._hidden_tail)
+
     def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:
         """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1.
 

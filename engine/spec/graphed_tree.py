@@ -130,27 +130,40 @@ class _RowPlan:
 class _SteadyRows:
     """What one step's ``_finish`` handed its sequences: ``rows[i]`` (a view of ``next_rows``
     [n, P, H], the first ``a + 1`` rows of sequence ``i``) became its ``pending_hidden[0]`` and
-    ``carry[i]`` (views of ``next_carry`` [n, k - 1, H]) its ``pending_hidden[1:k]``."""
+    ``carry[i]`` (views of ``next_carry`` [n, k - 1, H]) its ``pending_hidden[1:k]``;
+    ``committed[i]`` its ``num_committed``. ``fits``: every sequence has the blocks for one
+    more step; ``variant``: the device-program variant the step ran."""
 
     seqs: tuple[Sequence, ...]
     next_rows: Tensor
     next_carry: Tensor
     rows: list[Tensor]
     carry: list[tuple[Tensor, ...]]
+    committed: list[int]
+    fits: bool
+    variant: bool
+    checked: list[Sequence] | None = None  # the batch ``holds`` last confirmed
 
     def holds(self, seqs: list[Sequence]) -> bool:
-        """Whether ``seqs`` are these sequences in this order, each still holding exactly the
-        rows handed to it (anything that consumed, truncated or appended MTP rows since replaced
-        the tensors: identity, not values, is checked; ``eligible`` has folded any appended
-        rows into new tensors by then)."""
-        if len(seqs) != len(self.seqs) or any(a is not b for a, b in zip(seqs, self.seqs, strict=True)):
+        """Whether ``seqs`` are these sequences in this order, each with exactly the state the
+        step left: no token committed, no MTP row consumed, truncated or appended since (the
+        tensors handed out are checked by identity, not value; any change replaces them or
+        leaves an unfolded tail), and room for one more step. Then every sequence is eligible
+        and the bucket's inputs, advanced on the device (``GraphedTreeStep._advance``), are
+        this batch's."""
+        if not self.fits or len(seqs) != len(self.seqs):
             return False
-        for s, rows, carry in zip(seqs, self.rows, self.carry, strict=True):
+        if any(a is not b for a, b in zip(seqs, self.seqs, strict=True)):
+            return False
+        for s, rows, carry, L in zip(seqs, self.rows, self.carry, self.committed, strict=True):
+            if s.num_committed != L or len(s.tokens) != L + 1 or s.has_hidden_tail:
+                return False
             hidden = s.pending_hidden
             if hidden[0] is not rows:
                 return False
             if any(h is not c for h, c in zip(hidden[1:], carry, strict=True)):
                 return False
+        self.checked = seqs
         return True
 
 
@@ -163,6 +176,7 @@ class _Buffers:
         self.tables = torch.full((bucket, g.max_blocks), -1, dtype=torch.int32, device=dev)
         self.L = torch.zeros(bucket, dtype=torch.long, device=dev)  # target committed = root index
         self.c = torch.ones(bucket, dtype=torch.long, device=dev)  # catch-up rows per module
+        self.live = torch.zeros(bucket, dtype=torch.bool, device=dev)  # rows of real sequences
         self.tail = torch.zeros(bucket, C, dtype=torch.long, device=dev)  # catch-up tokens
         self.rows0 = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev)  # module 1 inputs
         self.carry = torch.zeros(bucket, max(g.k - 1, 0), H, dtype=g.dtype, device=dev)
@@ -185,12 +199,14 @@ class _Buffers:
         }
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # step variant -> draft/verify/accept
         self.rollback_graph: torch.cuda.CUDAGraph | None = None
+        self.advance_graph: torch.cuda.CUDAGraph | None = None
         # The last step's sequences and the MTP rows it handed them (``_SteadyRows``): the next
         # step over the same sequences, untouched since, loads them in two copies.
         self.steady: _SteadyRows | None = None
 
     def set_padding(self, start: int, g: GraphedTreeStep) -> None:
         """Rows ``start:`` become dummy sequences living in the scratch blocks."""
+        self.live.copy_(g.live_rows[self.bucket][start])
         self.tables[start:] = g.pad_table
         self.L[start:] = g.k
         self.c[start:] = 1
@@ -251,6 +267,9 @@ class GraphedTreeStep:
         self.pad_table = torch.full((max_blocks,), -1, dtype=torch.int32, device=self.device)
         self.pad_table[: len(self.scratch)] = self.scratch_index.to(torch.int32)
         self.trash_slot = self.scratch[-1] * self.block_size + self.block_size - 1
+        # live_rows[b][n]: the live mask of bucket b with n real sequences [b] bool.
+        self.live_rows = {b: torch.arange(b, device=self.device)[None] < torch.arange(b + 1, device=self.device)[:, None]
+                          for b in self.buckets}  # fmt: skip
         self._buffers = {b: _Buffers(b, self) for b in self.buckets}
         for buf in self._buffers.values():
             buf.set_padding(0, self)
@@ -261,6 +280,11 @@ class GraphedTreeStep:
         self.variant = False
         self._eager_variants: dict[bool, str] = {}  # variants whose capture failed -> error
         self._mempool: Any = None  # CUDA graph memory pool handle, shared by all captures
+        # Rollback timing events (CUDA), reused round-robin: a step's pair is read before it
+        # comes round again (the engine reads ``last_timings`` after each step, if at all).
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._next_event = 0
+        self._stream: torch.cuda.Stream | None = None
 
     def _capture(self) -> None:
         """Capture every bucket's graphs (call at the end of a subclass's ``__init__``)."""
@@ -272,7 +296,7 @@ class GraphedTreeStep:
 
     def _drop_graphs(self) -> None:
         for buf in self._buffers.values():
-            buf.graphs, buf.rollback_graph = {}, None
+            buf.graphs, buf.rollback_graph, buf.advance_graph = {}, None, None
 
     # ------------------------------------------------------------------ policy hooks
     def serves(self, params: SamplingParams) -> bool:
@@ -293,9 +317,13 @@ class GraphedTreeStep:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ eligibility
+    @property
+    def capacity_needed_past_committed(self) -> int:
+        """Slots a step writes from a sequence's first uncommitted position on, plus one."""
+        return max(self.C + self.max_frontier, self.N + 1) + 1
+
     def capacity_needed(self, seq: Sequence) -> int:
-        L = seq.num_committed
-        return max(L + self.C + self.max_frontier, L + self.N + 1) + 1
+        return seq.num_committed + self.capacity_needed_past_committed
 
     def eligible(self, seq: Sequence) -> bool:
         """A request this step serves, with the MTP state of a previous full speculative step."""
@@ -319,6 +347,13 @@ class GraphedTreeStep:
                 return False
         cap = len(seq.block_ids) * self.block_size
         return self.capacity_needed(seq) <= cap and len(seq.block_ids) <= self.max_blocks
+
+    def continues(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` are exactly the batch of this step's last run, untouched since
+        (``_SteadyRows.holds``): then all are eligible and their inputs are already loaded."""
+        bucket = next((b for b in self.buckets if b >= len(seqs)), None)
+        steady = self._buffers[bucket].steady if bucket is not None and seqs else None
+        return steady is not None and steady.holds(seqs)
 
     # ------------------------------------------------------------------ host side of a step
     def _bucket(self, n: int) -> int:
@@ -352,6 +387,10 @@ class GraphedTreeStep:
         else:
             self._draft_verify_accept(buf)
         timing = self._timed_rollback(buf)
+        if buf.advance_graph is not None:
+            buf.advance_graph.replay()
+        else:
+            self._advance(buf)
         return self._finish(buf, seqs, catch_up), timing
 
     def _load_inputs(self, buf: _Buffers, seqs: list[Sequence]) -> list[int]:
@@ -359,6 +398,12 @@ class GraphedTreeStep:
         n, C = len(seqs), self.C
         L = [s.num_committed for s in seqs]
         c = [Li - s.mtp_committed[0] for Li, s in zip(L, seqs, strict=True)]
+        steady, buf.steady = buf.steady, None
+        if steady is not None and (steady.checked is seqs or steady.holds(seqs)):
+            # The batch of the bucket's last step, untouched: ``_advance`` has already turned
+            # that step's outputs into these inputs on the device.
+            self.variant = steady.variant
+            return c
         width = max(len(s.block_ids) for s in seqs)
         # One host tensor per input; table columns past a sequence's own blocks are never read.
         tail = torch.tensor(
@@ -370,25 +415,35 @@ class GraphedTreeStep:
         buf.tables[:n, :width].copy_(tables)
         buf.L[:n].copy_(torch.tensor(L))
         buf.c[:n].copy_(torch.tensor(c))
-        if n < buf.bucket:
-            buf.set_padding(n, self)
-        steady, buf.steady = buf.steady, None
-        if steady is not None and steady.holds(seqs):
-            # The previous step's outputs as they are: rows past a sequence's ``c`` are padding
-            # rows of the catch-up, whose values nothing valid reads (as the stale rows beyond
-            # the longest ``c`` of the general path below).
-            buf.rows0[:n, : steady.next_rows.shape[1]].copy_(steady.next_rows)
-            buf.carry[:n].copy_(steady.next_carry)
-        else:
-            rows0 = torch.nn.utils.rnn.pad_sequence(
-                [s.pending_hidden[0] for s in seqs], batch_first=True  # type: ignore[misc]
-            )  # [n, max c, H]
-            buf.rows0[:n, : rows0.shape[1]].copy_(rows0)
-            if self.k > 1:
-                carry = torch.cat([h for s in seqs for h in s.pending_hidden[1 : self.k]])  # type: ignore[misc]
-                buf.carry[:n].copy_(carry.view(n, self.k - 1, self.hidden_size))
+        buf.set_padding(n, self)
+        rows0 = torch.nn.utils.rnn.pad_sequence(
+            [s.hidden_rows(0) for s in seqs], batch_first=True  # type: ignore[misc]
+        )  # [n, max c, H]
+        buf.rows0[:n, : rows0.shape[1]].copy_(rows0)
+        if self.k > 1:
+            carry = torch.cat([s.hidden_rows(d) for s in seqs for d in range(1, self.k)])  # type: ignore[misc]
+            buf.carry[:n].copy_(carry.view(n, self.k - 1, self.hidden_size))
         self._load_sampling(buf, seqs)
         return c
+
+    def _advance(self, buf: _Buffers) -> None:
+        """Turn the step's outputs into the inputs of the next step over the same sequences
+        (what ``_load_inputs`` would load after ``_finish``): ``L += a + 1``, ``c = a + 1``, the
+        catch-up tokens are the accepted tokens and the bonus, module 1's rows the accepted
+        path's verify states, the carry the catch-up's last rows. Padding rows stay as set."""
+        C, D = self.C, self.D
+        a = buf.packed[:, 0]  # [B] accepted draft tokens
+        bonus = buf.packed[:, 1:2]  # [B, 1]
+        accepted = buf.packed[:, 3 : 3 + D]  # [B, D] path tokens below the root
+        j = torch.arange(C, device=self.device)[None]  # [1, C]
+        tail = torch.where(j < a[:, None], accepted.gather(1, j.clamp(max=D - 1).expand_as(buf.tail)),
+                           torch.where(j == a[:, None], bonus, 0))  # [B, C]  # fmt: skip
+        live = buf.live
+        buf.tail.copy_(torch.where(live[:, None], tail, buf.tail))
+        buf.L.add_(torch.where(live, a + 1, 0))
+        buf.c.copy_(torch.where(live, a + 1, buf.c))
+        buf.rows0[:, : D + 1].copy_(buf.next_rows)
+        buf.carry.copy_(buf.next_carry)
 
     def _load_sampling(self, buf: _Buffers, seqs: list[Sequence]) -> None:
         """Per-sequence sampling inputs (none for greedy trees)."""
@@ -400,13 +455,18 @@ class GraphedTreeStep:
             t0 = time.perf_counter()
             self._rollback(buf)
             return (time.perf_counter() - t0,)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(self.device)
+            self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                            for _ in range(4)]  # fmt: skip
+        start, end = self._events[self._next_event]
+        self._next_event = (self._next_event + 1) % len(self._events)
+        start.record(self._stream)
         if graph is not None:
             graph.replay()
         else:
             self._rollback(buf)
-        end.record()
+        end.record(self._stream)
         return (start, end)
 
     def _finish(self, buf: _Buffers, seqs: list[Sequence], c: list[int]) -> list[GreedyStepResult]:
@@ -419,6 +479,9 @@ class GraphedTreeStep:
         rows_of = next_rows.unbind(0)  # n views [P, H], made in one call
         carry_of = [c.split(1) for c in next_carry.unbind(0)] if self.k > 1 else [()] * n
         handed: list[Tensor] = []
+        committed_now: list[int] = []
+        room = 1 << 62  # the fewest free slots past a sequence's committed entries
+        bs = self.block_size
         results = []
         for i, s in enumerate(seqs):
             row = packed[i]
@@ -446,7 +509,11 @@ class GraphedTreeStep:
                 s.pending_hidden[d] = carried  # [1, H]
                 s.pending_start[d] = L - d
             s.num_committed = L + a + 1
-        buf.steady = _SteadyRows(tuple(seqs), next_rows, next_carry, handed, carry_of)
+            committed_now.append(L + a + 1)
+            room = min(room, len(s.block_ids) * bs - L - a - 1)
+        fits = room >= self.capacity_needed_past_committed
+        buf.steady = _SteadyRows(tuple(seqs), next_rows, next_carry, handed, carry_of, committed_now,
+                                 fits, self.variant)  # fmt: skip
         return results
 
     # ------------------------------------------------------------------ device program
@@ -582,6 +649,11 @@ class GraphedTreeStep:
             with torch.cuda.graph(rollback, pool=self._mempool):
                 self._rollback(buf)
             buf.rollback_graph = rollback
+        if buf.advance_graph is None:  # captured, not run: the loaded inputs stay as they are
+            advance = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(advance, pool=self._mempool):
+                self._advance(buf)
+            buf.advance_graph = advance
         # The first replay uploads a graph (milliseconds): do it here, not in a served step
         # (idempotent on the loaded inputs, like the warm-up).
         graph.replay()

@@ -249,27 +249,36 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
 def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     small_vocab_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A step over the same sequences as the last, untouched since, loads their MTP rows as the
-    previous step's outputs in two copies (``_SteadyRows``); it must load what the general path
-    loads on every valid row, and anything that replaced a sequence's rows (a finished request
-    leaving, an autoregressive step in between) must send the step down the general path."""
+    """A step over the same sequences as the last, untouched since (``_SteadyRows``), loads
+    nothing: the last step advanced the bucket's inputs on the device (``_advance``). Those
+    inputs must be what the general path loads, on every row it loads, and anything that
+    replaced a sequence's rows (a finished request leaving, an autoregressive step in between)
+    must send the step down the general path."""
     from engine.spec import graphed_tree
     from engine.spec.adaptive import NO_SPEC
 
     eng, _ = _engine(small_vocab_dir, SPECS[1])
     assert eng.graphed_tree is not None
-    g = eng.graphed_tree
+    runners = eng._graphed_runners
     fast: list[bool] = []
     holds = graphed_tree._SteadyRows.holds
 
     def checked_holds(self: graphed_tree._SteadyRows, seqs: list) -> bool:  # type: ignore[type-arg]
         ok = holds(self, seqs)
         fast.append(ok)
-        if ok:  # what the general path would load, on the rows it loads
+        if ok:  # the advanced inputs are what the general path would load, on the rows it loads
+            g, buf = next((r, b) for r in runners for b in r._buffers.values() if b.steady is self)
+            assert buf.live.tolist() == [i < len(seqs) for i in range(buf.bucket)]
             for i, s in enumerate(seqs):
-                assert torch.equal(self.next_rows[i, : s.pending_hidden[0].shape[0]], s.pending_hidden[0])
+                L = s.num_committed
+                c = L - s.mtp_committed[0]
+                assert (int(buf.L[i]), int(buf.c[i])) == (L, c)
+                assert buf.tail[i].tolist() == s.tokens[L - c + 1 : L + 1] + [0] * (g.C - c)
+                assert torch.equal(buf.rows0[i, :c], s.pending_hidden[0])
                 for d in range(1, g.k):
-                    assert torch.equal(self.next_carry[i, d - 1 : d], s.pending_hidden[d])
+                    assert torch.equal(buf.carry[i, d - 1 : d], s.pending_hidden[d])
+            for i in range(len(seqs), buf.bucket):  # padding rows stay dummies
+                assert (int(buf.L[i]), int(buf.c[i]), buf.tail[i].tolist()) == (g.k, 1, [0] * g.C)
         return ok
 
     monkeypatch.setattr(graphed_tree._SteadyRows, "holds", checked_holds)
@@ -286,6 +295,7 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     assert eng2.adaptive is not None
     picks = iter([eng2.budget] * 6 + [NO_SPEC] + [eng2.budget] * 200)
     eng2.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
+    runners = eng2._graphed_runners
     fast.clear()
     got2 = _serve(eng2, params)
     assert {r: o.token_ids for r, o in got2.items()} == {r: o.token_ids for r, o in want.items()}
