@@ -477,7 +477,9 @@ class GraphedTreeStep:
         next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
         packed = buf.packed[:n].tolist()  # the step's one device -> host copy
         rows_of = next_rows.unbind(0)  # n views [P, H], made in one call
-        carry_of = [c.split(1) for c in next_carry.unbind(0)] if self.k > 1 else [()] * n
+        km1 = self.k - 1
+        carried = next_carry.view(n * km1, 1, -1).unbind(0) if km1 else ()  # n * (k-1) views [1, H]
+        carry_of = [carried[i * km1 : (i + 1) * km1] for i in range(n)]
         handed: list[Tensor] = []
         committed_now: list[int] = []
         room = 1 << 62  # the fewest free slots past a sequence's committed entries
