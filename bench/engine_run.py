@@ -7,6 +7,7 @@ the last speculative step; replaced by a new object on every speculative step) a
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections import Counter
@@ -64,6 +65,7 @@ def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParam
     final: dict[str, object] = {}
     run = BatchRun(0.0, [[] for _ in prompts], [0.0] * len(prompts), [0.0] * len(prompts))
     arms_before = Counter(eng.adaptive.steps_per_arm) if eng.adaptive is not None else Counter()
+    gc.collect()  # the previous run's garbage is not this run's to collect
     synchronize(eng.device)
     t0 = time.perf_counter()
     for rid, prompt in zip(ids, prompts, strict=True):

@@ -3,8 +3,9 @@
 Order of work: load the weights once; build the contenders (engine modes sharing the weights,
 transformers on the same folder); check greedy tokens of every mode against ``ar`` (before any
 timing; an engine mode that differs is not timed); then for each temperature and batch size warm
-every contender up and run ``repeats`` rounds in which the modes alternate, so that load drifts
-of a shared machine hit all modes alike. On GPU also measure copy bandwidth and matmul rate and
+every contender up and run ``repeats`` rounds in which the modes alternate (each round starting
+at the next mode, the heap collected before each run), so that load drifts of a shared machine
+hit all modes alike. On GPU also measure copy bandwidth and matmul rate and
 report each step against its floor (``bench.floor``).
 """
 
@@ -130,7 +131,10 @@ def _time_point(
         if deadline is not None and time.monotonic() > deadline:
             break
         prompts = batch_of(pool[(max(rep, 0) * bs) % len(pool) :] + pool, bs)
-        for c in list(active):
+        # Each round starts at the next mode: a mode's round never always follows the same other
+        # mode's (whose garbage, allocator and clock state it would inherit).
+        shift = max(rep, 0) % max(len(active), 1)
+        for c in active[shift:] + active[:shift]:
             if deadline is not None and time.monotonic() > deadline:
                 break
             tokens = (s.warmup_tokens or s.max_new_tokens) if rep < 0 else s.max_new_tokens
