@@ -261,6 +261,7 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     assert eng.graphed_tree is not None
     runners = eng._graphed_runners
     fast: list[bool] = []
+    steady_in: list[str] = []  # the runner of each steady step
     holds = graphed_tree._SteadyRows.holds
 
     def checked_holds(self: graphed_tree._SteadyRows, seqs: list) -> bool:  # type: ignore[type-arg]
@@ -268,6 +269,7 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
         fast.append(ok)
         if ok:  # the advanced inputs are what the general path would load, on the rows it loads
             g, buf = next((r, b) for r in runners for b in r._buffers.values() if b.steady is self)
+            steady_in.append(type(g).__name__)
             assert buf.live.tolist() == [i < len(seqs) for i in range(buf.bucket)]
             for i, s in enumerate(seqs):
                 L = s.num_committed
@@ -300,3 +302,12 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     got2 = _serve(eng2, params)
     assert {r: o.token_ids for r, o in got2.items()} == {r: o.token_ids for r, o in want.items()}
     assert False in fast[4:8], fast
+    # The sampled device step advances its inputs the same way (wrong MTP inputs would change
+    # only its drafts, which the sampling-law tests cannot see).
+    sampled = {r: (p, SamplingParams(max_tokens=sp.max_tokens, temperature=0.8, ignore_eos=True))
+               for r, (p, sp) in params.items()}  # fmt: skip
+    runners = eng._graphed_runners
+    steady_in.clear()
+    got3 = _serve(eng, sampled)
+    assert [len(o.token_ids) for o in got3.values()] == list(lengths)
+    assert steady_in.count("GraphedSampledTree") >= 5, steady_in
