@@ -8,8 +8,9 @@
 #    limit so the whole script ends in time: points not started in time are listed as skipped;
 # 3. writes into RESULTS_DIR: <device>-<date>.json, .md, a few PNGs (if matplotlib is
 #    installed; otherwise run `mtpserve bench report FILE.json` elsewhere) and gpu_bench.log;
-# 4. with the time left (until END_S, default 585 s), validates the simulator's predictions on
-#    the same model (scripts/validate_simulator.py -> simulator-validation-h200.json).
+# 4. with the time left (until END_S, default 585 s; at least VALIDATE_MIN_S, default 150 s),
+#    validates the simulator's predictions on the same model (scripts/validate_simulator.py ->
+#    simulator-validation-h200.json).
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
 # 180), DEADLINE_S (default 540: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
@@ -80,7 +81,9 @@ if [ -n "${PROFILE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
     tar czf "$OUT/profile.tar.gz" -C "$PROF" .
 fi
 LEFT=$(( END_S - ($(date +%s) - START) ))
-if [ "$LEFT" -gt 40 ]; then
+# The validation takes ~190 s on the H200 (8 prompts): with less it would be cut off and write
+# nothing (session 11: 49 s, exit 124), so it is skipped.
+if [ "$LEFT" -gt "${VALIDATE_MIN_S:-150}" ]; then
     echo "== simulator validation (${LEFT} s left)"
     timeout "$LEFT" "$PY" scripts/validate_simulator.py --model "$MODEL" --device cuda \
         --dtype bfloat16 --prompts "${VALIDATE_PROMPTS:-8}" --max-tokens 64 --out "$OUT/simulator-validation-h200.json" \
