@@ -462,6 +462,7 @@ class LLMEngine:
             if self.adaptive is not None and plan.prefill:
                 self.wait_for_device()  # time the decode work alone
             start = time.perf_counter()
+            host_step = False  # a host-driven speculative step leaves device work queued
             if budget.speculates:
                 self._hidden_log.flush()
                 host = decode
@@ -471,10 +472,15 @@ class LLMEngine:
                         self._graphed_step(runner, graphed, outputs)
                 if host:
                     self._speculative_step(host, budget, outputs)
+                    host_step = True
             else:
                 self._autoregressive_step(decode, outputs)
             if self.adaptive is not None:
-                self.wait_for_device()
+                # Autoregressive and graphed steps end on a read of their last device result (the
+                # sampled tokens, the packed outputs), so the clock already covers their device
+                # work; only the host path's KV compaction is still queued.
+                if host_step:
+                    self.wait_for_device()
                 seconds = time.perf_counter() - start
                 if self._catch_up_s is not None:  # timed alone: the rest is a steady step
                     self.adaptive.observe_catch_up(

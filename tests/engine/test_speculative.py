@@ -350,6 +350,36 @@ def test_adaptive_construction_may_wait_for_the_device(
     assert waited == [True]
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["host-path", "graphed"])
+def test_adaptive_waits_for_the_device_only_after_host_driven_drafting(small_vocab_dir: Path, graphed: bool) -> None:
+    """Autoregressive and graphed steps end on a read of their last device result, so their
+    step time needs no extra wait (the baseline does none); a host-driven speculative step
+    leaves its KV compaction queued and is waited for (and a catch-up is timed alone)."""
+    config = EngineConfig(cuda_graphs=True) if graphed else EngineConfig()
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
+    assert eng.adaptive is not None
+    picks = iter([NO_SPEC] * 3 + [eng.budget] * 100)
+    eng.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
+    waits: list[str | None] = []
+    wait = eng.wait_for_device
+
+    def counted() -> None:
+        waits.append(eng.last_decode_budget)
+        wait()
+
+    eng.wait_for_device = counted  # type: ignore[method-assign]
+    eng.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    eng.step()  # prefill
+    waits.clear()
+    for _ in range(3):  # autoregressive steps
+        eng.step()
+    assert waits == []
+    eng.step()  # the first drafting step catches the MTP modules up (timed alone: a wait)
+    waits.clear()
+    eng.step()  # steady drafting: the host path waits after its step; the graphed one never
+    assert bool(waits) != graphed, waits
+
+
 def test_a_batch_counts_as_closed_when_the_caller_says_so_or_nothing_joined_for_a_while(
     small_vocab_dir: Path,
 ) -> None:
