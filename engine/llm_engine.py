@@ -405,10 +405,22 @@ class LLMEngine:
         """Acceptance counters per depth and rank (``AcceptanceStats.from_dict`` reads them) and,
         under adaptive speculation once enough sequences finished, ``relative_yields``: the
         spread of tokens per drafting step over sequences (``engine.spec.drain``), what
-        ``mtpserve simulate --closed-batch-tokens`` takes."""
+        ``mtpserve simulate --closed-batch-tokens`` takes; and ``arm_costs``: each arm's measured
+        decode step per batch-size bucket (``engine.simulator.arm_costs``), what ``mtpserve
+        simulate --arm-costs`` takes as its latency model."""
         snapshot = self.acceptance.snapshot()
         if self.adaptive is not None and self.adaptive.arms.spread.ready:
             snapshot["relative_yields"] = list(self.adaptive.arms.spread.quantiles())
+        if self.adaptive is not None:
+            costs = self.adaptive.arms.cost_table()
+            if costs:
+                snapshot["arm_costs"] = [
+                    {"batch_size": cost.rows, "sampled": sampled, "arm": budget_label(arm),
+                     "topk": arm.topk if arm.speculates else 0, "depth": arm.depth,
+                     "num_draft_tokens": arm.num_draft_tokens, "step_seconds": cost.seconds,
+                     "tokens_per_seq": cost.tokens / cost.rows, "steps": cost.count}
+                    for sampled, arm, cost in costs
+                ]  # fmt: skip
         return snapshot
 
     # ------------------------------------------------------------------ generation

@@ -2,7 +2,8 @@
 
 Usage::
 
-    mtpserve simulate --stats STATS.json --latency LATENCY.json [--budget N]
+    mtpserve simulate --stats STATS.json (--latency LATENCY.json | --arm-costs SNAPSHOT.json
+        [--sampled-costs]) [--budget N]
         [--batch-sizes 1 2 4 ...] [--max-depth D] [--max-width K] [--tree SPEC|FILE]
         [--measured RUNS.json] [--closed-batch-tokens T [--yield-spread FILE]]
         [--out simulate.png] [--recommend-default]
@@ -17,7 +18,9 @@ nobody joins, whose drain under drafting comes from the spread of yields over se
 (``engine.spec.drain``). ``--recommend-default`` prints instead the drafter budget
 (``topk``, ``depth``, ``num_draft_tokens``) of the best tree at the smallest batch size, which is
 how the default trees of ``engine/spec/defaults.py`` are derived (``Derivation.command()`` there
-gives the exact line per device), and writes no figure.
+gives the exact line per device), and writes no figure. ``--arm-costs`` takes the latency model
+from a live engine's measured decode steps instead (``arm_costs`` in ``/admin/acceptance``, see
+``arm_costs.py``): the costs adaptive speculation chooses by, host work included.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ import sys
 from pathlib import Path
 
 from engine.simulator.acceptance import AcceptanceStats
+from engine.simulator.arm_costs import (
+    fit_arm_costs,
+    format_arm_costs,
+    latency_from_arm_costs,
+    load_arm_costs,
+)
 from engine.simulator.expected import closed_batch_estimate, estimate, node_probabilities
 from engine.simulator.json_file import read_json
 from engine.simulator.latency import LatencyModel
@@ -52,7 +61,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Predict the speedup of MTP tree speculation and choose the best tree.",
     )
     ap.add_argument("--stats", required=True, help="acceptance statistics JSON")
-    ap.add_argument("--latency", required=True, help="latency measurements JSON")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--latency", help="latency measurements JSON")
+    source.add_argument(
+        "--arm-costs", default=None,
+        help="JSON with 'arm_costs' (a live adaptive engine's /admin/acceptance): the latency "
+        "model is fitted to its measured decode steps",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sampled-costs", action="store_true",
+        help="with --arm-costs: fit the sampled batches' arms (default: greedy)",
+    )  # fmt: skip
     ap.add_argument("--budget", type=_positive, default=32, help="largest draft-node budget")
     ap.add_argument("--batch-sizes", type=_positive, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--max-depth", type=_positive, default=None, help="deepest draft depth")
@@ -127,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         stats = AcceptanceStats.from_json(args.stats)
-        latency = LatencyModel.from_json(args.latency)
+        if args.arm_costs is not None:
+            costs = load_arm_costs(read_json(args.arm_costs), args.arm_costs)
+            print(format_arm_costs(costs, fit_arm_costs(costs, args.sampled_costs), args.sampled_costs))
+            print()
+            latency = latency_from_arm_costs(costs, args.sampled_costs)
+        else:
+            latency = LatencyModel.from_json(args.latency)
         batch_sizes = sorted(set(args.batch_sizes))
         if args.recommend_default:
             _recommend_default(stats, latency, args, batch_sizes[0])

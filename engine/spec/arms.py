@@ -199,6 +199,16 @@ class MeasuredArms:
         calibrated; ``engine.spec.catch_up_cost``)."""
         return self.catch_up.seconds(lag_rows)
 
+    def cost_table(self) -> list[tuple[bool, TreeBudget, StepCost]]:
+        """Every arm's measured step cost per batch-size bucket (at least ``MIN_MEASURED``
+        steady steps): (sampled, arm, cost), smallest buckets first."""
+        return [
+            (sampled, arm, cost)
+            for (_, sampled), bucket in sorted(self._buckets.items())
+            for arm, cost in bucket.costs.items()
+            if cost.count >= MIN_MEASURED
+        ]
+
     def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
         """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
         cost = self._buckets.get((bucket, sampled), _Bucket(0)).costs.get(arm)
