@@ -40,6 +40,9 @@ class BatchRun:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     steps_per_arm: dict[str, int] = field(default_factory=dict)  # adaptive: decode steps per budget
+    # Adaptive: its measured arm costs in this batch's bucket after the run (the engine's
+    # ``acceptance_snapshot()["arm_costs"]``: what it chose by).
+    arm_costs: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -100,6 +103,10 @@ def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParam
     if eng.adaptive is not None:
         ran = eng.adaptive.steps_per_arm - arms_before
         run.steps_per_arm = {budget_label(budget): n for budget, n in ran.items()}
+        bucket = len(prompts).bit_length()
+        costs = eng.acceptance_snapshot().get("arm_costs", [])
+        run.arm_costs = [c for c in costs  # type: ignore[attr-defined]
+                         if max(round(c["batch_size"]), 1).bit_length() == bucket]  # fmt: skip
     return run
 
 

@@ -67,11 +67,17 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
     rows = [r for r in runs if r.get("steps_per_arm")]
     if not rows:
         return []
-    lines = ["Adaptive speculation: decode steps per chosen budget (all timed repeats):", "",
-             "| T | batch | steps per budget |", "|---|---|---|"]
+    lines = ["Adaptive speculation: decode steps per chosen budget (all timed repeats), and the "
+             "step costs it measured in that batch's bucket (ms per step, tokens per sequence):", "",
+             "| T | batch | steps per budget | measured arm costs |", "|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["temperature"], r["batch_size"])):
         arms = ", ".join(f"{label} {n}" for label, n in sorted(r["steps_per_arm"].items()))
-        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} |")
+        sampled = bool(r["temperature"])
+        costs = ", ".join(
+            f"{c['arm']} {_f(c['step_seconds'] * 1e3, '.2f')} ms ({_f(c['tokens_per_seq'], '.2f')})"
+            for c in r.get("arm_costs") or [] if bool(c.get("sampled")) == sampled
+        ) or "–"
+        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} | {costs} |")
     return lines
 
 

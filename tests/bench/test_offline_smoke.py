@@ -51,6 +51,10 @@ def test_json_has_every_field(offline_result: tuple[int, dict, Path]) -> None:
     assert all(0 < sum(r["steps_per_arm"].values()) <= 6 * r["repeats"] for r in adaptive)
     labels = {label for r in adaptive for label in r["steps_per_arm"]}
     assert all(label == "none" or label.startswith(("chain-", "tree-")) for label in labels), labels
+    for r in adaptive:  # the arm costs it measured, if any yet, are those of the batch's bucket
+        for c in r["arm_costs"] or []:
+            assert max(round(c["batch_size"]), 1).bit_length() == r["batch_size"].bit_length(), c
+            assert c["step_seconds"] > 0 and (c["arm"] == "none" or c["arm"].startswith(("chain-", "tree-")))
 
 
 def test_modes_agree_on_greedy_tokens(offline_result: tuple[int, dict, Path]) -> None:
@@ -76,7 +80,7 @@ def test_report_from_json(offline_result: tuple[int, dict, Path]) -> None:
     assert main(["report", str(path)]) == 0
     md = path.with_suffix(".md").read_text()
     assert "| T | batch | mode |" in md and "tree-3" in md
-    assert "decode steps per chosen budget" in md
+    assert "decode steps per chosen budget" in md and "measured arm costs" in md
     assert (path.parent / f"{path.stem}-speedup.png").stat().st_size > 1000
     assert (path.parent / f"{path.stem}-acceptance.png").stat().st_size > 1000
 
