@@ -20,7 +20,8 @@
 # adaptive-trace.txt, before the validation takes the time left),
 # PROFILE_BATCHES (e.g. 1,64: then scripts/gpu_profile.py runs after the trace, at most
 # PROFILE_S seconds (default 120), with --catch-up and host profiles at the last of them, into
-# RESULTS_DIR/profile.tar.gz: one file, as the device tool brings back 8 at most),
+# RESULTS_DIR/profile.tar.gz: one file, as the device tool brings back 8 at most; PROFILE_ARGS,
+# default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
 # MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,8 +76,10 @@ if [ -n "${PROFILE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
     PROFILE_LIMIT=$(( LEFT < ${PROFILE_S:-120} ? LEFT : ${PROFILE_S:-120} ))
     echo "== profile at batches ${PROFILE_BATCHES} (${PROFILE_LIMIT} s)"
     PROF=$(mktemp -d)
+    # shellcheck disable=SC2086  # PROFILE_ARGS is a list of arguments
     timeout "$PROFILE_LIMIT" "$PY" scripts/gpu_profile.py "$PROF" --model "$MODEL" \
         --batch-sizes "$PROFILE_BATCHES" --host-profile-batch "${PROFILE_BATCHES##*,}" --catch-up \
+        ${PROFILE_ARGS:---closed-rounds --catch-up-profile-batch ${PROFILE_BATCHES##*,}} \
         > "$PROF/stdout.txt" 2>&1 || echo "== profile exited with status $?"
     tar czf "$OUT/profile.tar.gz" -C "$PROF" .
 fi

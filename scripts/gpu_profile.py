@@ -9,7 +9,9 @@ with ``--host-profile-batch B`` also a cProfile of steady engine steps at batch 
 prompts at each batch size (what a switch to drafting costs: ms, and per row), the steady
 autoregressive step of an adaptive engine (its choice made, then overruled to no speculation:
 what adaptive's AR steps cost beyond the baseline's; also host-profiled), and a torch profile of
-one catch-up of one prompt (OUT/catch_up_profile.txt).
+one catch-up of ``--catch-up-profile-batch`` prompts (OUT/catch_up_profile.txt); with
+``--closed-rounds`` closed batches as the benchmark runs them, autoregressive and adaptive
+alternating (``closed_bB`` in the JSON: tokens/s and step ms per round, adaptive's choices).
 
     PYTHONPATH=. python scripts/gpu_profile.py OUT [--model models/demo]
 """
@@ -66,12 +68,13 @@ def _adaptive_kept_autoregressive(eng: LLMEngine) -> LLMEngine:
     return eng
 
 
-def _catch_up_profile(eng: LLMEngine, prompt: list[int]) -> str:
-    """torch.profiler table (CPU and CUDA) of one catch-up over one freshly prefilled prompt."""
+def _catch_up_profile(eng: LLMEngine, prompts: list[list[int]]) -> str:
+    """torch.profiler table (CPU and CUDA) of one catch-up over freshly prefilled prompts."""
     from torch.profiler import ProfilerActivity, profile
 
     assert eng.drafter is not None
-    eng.add_request(f"cp{time.time_ns()}", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"cp{time.time_ns()}-{i}", prompt, SamplingParams(max_tokens=8, temperature=0.0))
     while any(s.in_prefill for s in eng.scheduler.running) or eng.scheduler.num_waiting:
         eng.step()
     seqs = [s for s in eng.scheduler.running if not s.in_prefill]
@@ -83,8 +86,9 @@ def _catch_up_profile(eng: LLMEngine, prompt: list[int]) -> str:
         eng.abort_request(rid)
     averages = prof.key_averages()
     kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-    head = f"CUDA kernels: {kernels}\n"
-    return head + averages.table(sort_by="self_cpu_time_total", row_limit=45)
+    head = f"{len(prompts)} prompts; CUDA kernels: {kernels}\n"
+    return (head + averages.table(sort_by="self_cpu_time_total", row_limit=45)
+            + "\n\nBy CUDA time:\n" + averages.table(sort_by="cuda_time_total", row_limit=30))
 
 
 def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]], eager: bool = False) -> dict[str, float]:
@@ -117,6 +121,27 @@ def _catch_up_ms(eng: LLMEngine, prompts: list[list[int]], eager: bool = False) 
     eng.drafter.static_catch_up = static
     prefix = "eager_" if eager else ""
     return {f"{prefix}catch_up_ms": best, "rows": rows, f"{prefix}ms_per_row": best / max(rows, 1)}
+
+
+def _closed_rounds(ar: LLMEngine, adaptive: LLMEngine, prompts: list[list[int]], rounds: int = 4) -> dict[str, object]:
+    """Closed batches as the offline benchmark runs them (``bench.engine_run.run_batch``, 64 new
+    tokens), the two engines alternating, the first of each round alternating too: per round
+    tokens/s and mean decode-step ms of each, and what adaptive chose and measured. Where the
+    sweep finds adaptive's autoregressive steps dearer than the baseline's, this says whether a
+    closed batch reproduces it outside the sweep."""
+    from bench.engine_run import run_batch
+
+    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rows: dict[str, list[list[float]]] = {"ar": [], "adaptive": []}
+    for r in range(rounds + 1):  # round 0: warm-up
+        pair = [("ar", ar), ("adaptive", adaptive)]
+        for name, eng in pair if r % 2 == 0 else pair[::-1]:
+            run = run_batch(eng, prompts, sp)
+            if r:
+                rows[name].append([run.output_tokens / run.wall_s, run.decode_s / max(run.decode_steps, 1) * 1e3])
+            if name == "adaptive":
+                arms, costs = run.steps_per_arm, run.arm_costs
+    return {"tokens_per_s_and_step_ms": rows, "adaptive_steps_per_arm": arms, "adaptive_arm_costs": costs}
 
 
 def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 24) -> str:
@@ -181,6 +206,13 @@ def main() -> None:
     parser.add_argument(
         "--catch-up", action="store_true", help="time the MTP catch-up per batch size"
     )
+    parser.add_argument(
+        "--closed-rounds", action="store_true",
+        help="also run closed batches (as the benchmark does) alternating ar and adaptive",
+    )  # fmt: skip
+    parser.add_argument(
+        "--catch-up-profile-batch", type=int, default=1, help="prompts of the profiled catch-up"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +269,16 @@ def main() -> None:
         for name, eng in engines:
             (out / f"host_{name}_b{b}.txt").write_text(_host_profile(eng, batch_prompts))
     if adaptive is not None:
-        (out / "catch_up_profile.txt").write_text(_catch_up_profile(adaptive, prompts[0]))
+        n = args.catch_up_profile_batch
+        (out / "catch_up_profile.txt").write_text(
+            _catch_up_profile(adaptive, [prompts[i % len(prompts)] for i in range(n)]))
+    if args.closed_rounds:
+        closed_ar = sharing("none")
+        closed_adaptive = sharing("adaptive")
+        for b in batches:
+            batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+            report[f"closed_b{b}"] = _closed_rounds(closed_ar, closed_adaptive, batch_prompts)
+            print("closed", b, report[f"closed_b{b}"], flush=True)
     # Eager profile of one draft+verify+accept pass at batch 1.
     buf = g._buffers[1]
     from torch.profiler import ProfilerActivity, profile
