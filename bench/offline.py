@@ -236,6 +236,9 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
         "check_dtype": s.check_dtype or s.dtype,
         "greedy_match_strict": strict,
         "device_rates": rates,
+        # Each engine's build (the weights are loaded once, before): seconds per stage.
+        "startup_s": {c.mode.label: {k: round(v, 3) for k, v in c.engine.startup_seconds.items()}
+                      for c in contenders if c.engine is not None},  # fmt: skip
         "runs": records,
         "wall_s": round(time.monotonic() - t_start, 1),
         "loadavg_end": list(os.getloadavg()),

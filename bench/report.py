@@ -128,6 +128,12 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
             out.append(f"- {label} vs ar: " + (res.get("error") or describe(res)))
         for label, reason in doc.get("skipped_modes", {}).items():
             out.append(f"- {label}: not run — {reason}")
+        startup = doc.get("startup_s") or {}
+        if startup:
+            out += ["", "Engine builds (seconds per start-up stage; the weights loaded once before):", ""]
+            for label, stages in startup.items():
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
+                out.append(f"- {label}: {sum(stages.values()):.2f} s ({parts})")
         out += ["", "## Offline engine sweep", ""]
         if doc.get("device_rates"):
             rates = doc["device_rates"]

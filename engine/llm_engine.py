@@ -53,6 +53,7 @@ from engine.spec.graphed_tree import GraphedGreedyTree, GraphedTreeStep
 from engine.spec.hidden_log import HiddenLog
 from engine.spec.tree import DraftTree
 from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
+from engine.startup_timer import StartupTimer
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
@@ -131,6 +132,7 @@ class LLMEngine:
                 f"SpecConfig(method={spec.method!r}) needs MTP modules, but the model has "
                 "num_nextn_predict_layers = 0; use method='none'"
             )
+        timer = StartupTimer(device)
         self.budget = resolve_budget(spec, device.type, cfg.vocab_size)
         self._chain_budget = resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size)
         dtype = next(model.parameters()).dtype
@@ -138,9 +140,10 @@ class LLMEngine:
         num_blocks = BlockPool.blocks_for_budget(
             memory, cfg.num_layers_total, engine_config.block_size, cfg.latent_dim, dtype
         )
-        self.pool = BlockPool(
-            cfg.num_layers_total, num_blocks, engine_config.block_size, cfg.latent_dim, dtype, device
-        )
+        with timer.stage("kv_pool"):
+            self.pool = BlockPool(
+                cfg.num_layers_total, num_blocks, engine_config.block_size, cfg.latent_dim, dtype, device
+            )
         scratch = self.budget.num_draft_tokens + self.budget.topk + 5  # + graphed catch-up slack
         chunk = engine_config.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK.get(device.type, 512)
         self.scheduler = Scheduler(self.pool, engine_config.max_batch_size, chunk, scratch)
@@ -163,21 +166,24 @@ class LLMEngine:
             use_static = device.type == "cuda"
         if use_static:
             max_blocks = -(-(self.max_model_len + scratch) // engine_config.block_size)
-            self.static_forward = StaticTargetForward(
-                model, self.pool, (1, self.budget.num_draft_tokens + 1), max_blocks,
-                engine_config.max_batch_size, use_graphs=device.type == "cuda",
-                prefill_tokens=DEFAULT_PREFILL_TOKENS, prefill_chunk=chunk,
-            )  # fmt: skip
-            if self.drafter is not None and self.budget.speculates:
-                self.drafter.static_catch_up = GraphedCatchUp(
-                    model, self.pool, max_blocks, engine_config.max_batch_size,
-                    use_graphs=device.type == "cuda",
+            with timer.stage("target_graphs"):  # decode and prefill shapes
+                self.static_forward = StaticTargetForward(
+                    model, self.pool, (1, self.budget.num_draft_tokens + 1), max_blocks,
+                    engine_config.max_batch_size, use_graphs=device.type == "cuda",
+                    prefill_tokens=DEFAULT_PREFILL_TOKENS, prefill_chunk=chunk,
                 )  # fmt: skip
+            if self.drafter is not None and self.budget.speculates:
+                with timer.stage("catch_up_graphs"):
+                    self.drafter.static_catch_up = GraphedCatchUp(
+                        model, self.pool, max_blocks, engine_config.max_batch_size,
+                        use_graphs=device.type == "cuda",
+                    )  # fmt: skip
                 budgets = [self.budget]
                 if spec.method == "adaptive":  # a chain arm too, for large batches
                     budgets.append(self._chain_budget)
                 for budget in budgets:
-                    self._graphed_runners += self._build_graphed(budget, max_blocks)
+                    with timer.stage(f"tree_graphs:{budget_label(budget)}"):
+                        self._graphed_runners += self._build_graphed(budget, max_blocks)
                 self.graphed_tree, self.graphed_sampled = self._graphed_runners[:2]  # type: ignore[assignment]
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
@@ -185,8 +191,12 @@ class LLMEngine:
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
             # What a switch to drafting costs, before the first one is measured; and the
             # latency model the host path plans its tree with.
-            self.adaptive.arms.catch_up.calibrate(calibrate_catch_up(self))
-            self.adaptive.calibrate_if_planning(self)
+            with timer.stage("calibration"):
+                self.adaptive.arms.catch_up.calibrate(calibrate_catch_up(self))
+                self.adaptive.calibrate_if_planning(self)
+        # Seconds per start-up stage (``engine.startup_timer``; ``from_pretrained`` adds the
+        # weights' load first).
+        self.startup_seconds: dict[str, float] = timer.seconds
         # The draft budget of the last step's decode (``budget_label``; None: it decoded
         # nothing): what the metrics count per budget, adaptive speculation's choices.
         self.last_decode_budget: str | None = None
@@ -252,10 +262,14 @@ class LLMEngine:
             raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
         if spec is not None and not isinstance(spec, SpecConfig):
             raise ValueError("spec must be a SpecConfig")
-        model = load_model(folder, dtype=parse_dtype(dtype), device=torch_device)
+        timer = StartupTimer(torch_device)
+        with timer.stage("load_weights"):
+            model = load_model(folder, dtype=parse_dtype(dtype), device=torch_device)
         tokenizer = _load_tokenizer(folder)
         eos = _eos_ids(folder, model.config)
-        return cls(model, tokenizer, eos, spec or SpecConfig(), engine_config or EngineConfig(), torch_device)
+        engine = cls(model, tokenizer, eos, spec or SpecConfig(), engine_config or EngineConfig(), torch_device)
+        engine.startup_seconds = {**timer.seconds, **engine.startup_seconds}
+        return engine
 
     @staticmethod
     def _default_kv_bytes(device: torch.device) -> int:

@@ -33,6 +33,10 @@ def test_json_has_every_field(offline_result: tuple[int, dict, Path]) -> None:
         assert key in doc, key
     assert doc["prompts"] == "synthetic"  # the random checkpoint has no training manifest
     assert doc["runs"]
+    # Every engine mode's build, stage by stage (the adaptive one calibrates at start-up).
+    assert {"ar", "chain", "tree-3", "adaptive"} <= set(doc["startup_s"])
+    assert "kv_pool" in doc["startup_s"]["ar"] and "calibration" in doc["startup_s"]["adaptive"]
+    assert all(v >= 0 for stages in doc["startup_s"].values() for v in stages.values())
     for run in doc["runs"]:
         assert set(FIELDS) <= set(run), set(FIELDS) - set(run)
     done = {(r["label"], r["batch_size"], r["temperature"]) for r in doc["runs"] if not r["skipped"]}
@@ -81,6 +85,7 @@ def test_report_from_json(offline_result: tuple[int, dict, Path]) -> None:
     md = path.with_suffix(".md").read_text()
     assert "| T | batch | mode |" in md and "tree-3" in md
     assert "decode steps per chosen budget" in md and "measured arm costs" in md
+    assert "- adaptive: " in md.split("Engine builds")[1].split("## Offline engine sweep")[0]
     assert (path.parent / f"{path.stem}-speedup.png").stat().st_size > 1000
     assert (path.parent / f"{path.stem}-acceptance.png").stat().st_size > 1000
 
