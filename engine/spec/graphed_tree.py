@@ -5,8 +5,9 @@ reads the device after every depth; on a GPU that host work, not the model, sets
 This module runs the same algorithm — MTP catch-up, EAGLE-2 tree growth with ``topk`` children
 per frontier node, the best ``num_draft_tokens`` nodes, one tree-masked verify forward, greedy
 acceptance, KV compaction with the rejected slots zeroed — entirely on the device, with shapes
-that depend only on the batch bucket. So each step is two CUDA-graph replays (draft + verify +
-accept, then rollback) and one small device-to-host copy of the accepted tokens.
+that depend only on the batch bucket. So each step is three CUDA-graph replays (draft + verify +
+accept; rollback; advance, which turns the outputs into the next step's inputs) and one small
+device-to-host copy of the accepted tokens; a step over the same batch loads nothing.
 
 Static shapes (per sequence; K = topk, D = depth, N = tree nodes, k = MTP modules, P = D + 1
 nodes on an accepted path, C = P + CATCH_UP_SLACK catch-up rows, ``steady_catch_up_rows``):
@@ -201,7 +202,7 @@ class _Buffers:
         self.rollback_graph: torch.cuda.CUDAGraph | None = None
         self.advance_graph: torch.cuda.CUDAGraph | None = None
         # The last step's sequences and the MTP rows it handed them (``_SteadyRows``): the next
-        # step over the same sequences, untouched since, loads them in two copies.
+        # step over the same sequences, untouched since, loads nothing (``_advance``).
         self.steady: _SteadyRows | None = None
 
     def set_padding(self, start: int, g: GraphedTreeStep) -> None:
