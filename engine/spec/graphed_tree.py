@@ -508,8 +508,8 @@ class GraphedTreeStep:
             handed.append(rows)
             s.pending_hidden[0] = rows
             s.pending_start[0] = L
-            for d, row in enumerate(carry_of[i], start=1):
-                s.pending_hidden[d] = row  # [1, H]
+            for d, carried_row in enumerate(carry_of[i], start=1):
+                s.pending_hidden[d] = carried_row  # [1, H]
                 s.pending_start[d] = L - d
             s.num_committed = L + a + 1
             committed_now.append(L + a + 1)
