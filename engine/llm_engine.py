@@ -116,6 +116,7 @@ class LLMEngine:
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self._no_ids: frozenset[int] = frozenset()  # the EOS ids of requests that ignore EOS
         self.spec = spec
         self.config = engine_config
         self.device = device
@@ -748,17 +749,13 @@ class LLMEngine:
         results, timing = runner.run(seqs)
         elapsed = time.perf_counter() - t0
         drafted = runner.N
-        sampled = isinstance(runner, GraphedSampledTree)
-        for seq, res in zip(seqs, results, strict=True):
-            self.acceptance.record_path(res.has_children, res.child_ranks)
-            if sampled:
-                self.sampled_acceptance.record_path(res.has_children, res.child_ranks)
-            accepted = len(res.accepted_tokens)
+        results.record_acceptance(self.acceptance)
+        if isinstance(runner, GraphedSampledTree):
+            results.record_acceptance(self.sampled_acceptance)
+        self._step_tokens += sum(results.num_accepted) + len(seqs)
+        for seq, tokens, accepted in zip(seqs, results.tokens, results.num_accepted, strict=True):
             seq.stats.record_step(drafted, accepted)
-            self._step_tokens += accepted + 1
-            self._append_tokens(
-                seq, [*res.accepted_tokens, res.bonus_token], outputs, drafted=drafted, accepted=accepted
-            )
+            self._append_tokens(seq, tokens, outputs, drafted=drafted, accepted=accepted)
         if len(timing) == 2:
             self.last_timings = StepTimings(0.0, elapsed, 0.0, timing)  # type: ignore[arg-type]
         else:
@@ -874,17 +871,25 @@ class LLMEngine:
         accepted: int | None,
     ) -> None:
         params = seq.sampling
-        emitted: list[int] = []
         reason = None
-        for token in tokens:
-            seq.tokens.append(token)
-            emitted.append(token)
-            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                reason = "stop"
-            elif len(seq.tokens) - seq.output_start >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
-                reason = "length"
-            if reason:
-                break
+        n = len(seq.tokens)
+        room = min(params.max_tokens - n + seq.output_start, self.max_model_len - n)
+        eos = self._no_ids if params.ignore_eos else self.eos_token_ids
+        if len(tokens) < room and eos.isdisjoint(tokens) and not params.stop_token_ids:
+            # The common case, decided once for the step's tokens: none ends the request.
+            seq.tokens.extend(tokens)
+            emitted = tokens
+        else:
+            emitted = []
+            for token in tokens:
+                seq.tokens.append(token)
+                emitted.append(token)
+                if token in eos or token in params.stop_token_ids:
+                    reason = "stop"
+                elif len(seq.tokens) - seq.output_start >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+                    reason = "length"
+                if reason:
+                    break
         if reason and seq.num_committed > len(seq.tokens) - 1:
             self._truncate_committed(seq)
         if reason and drafted is not None:

@@ -1,0 +1,59 @@
+"""Batch acceptance counting (``AcceptanceCounter.record_paths``) against the per-path count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.spec.acceptance_stats import VECTORISED_MIN_PATHS, AcceptanceCounter
+
+
+def _random_paths(
+    rng: np.random.Generator, n: int, depth: int, width: int
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Packed outputs as the graphed step writes them: columns past a path's end hold junk."""
+    accepted = rng.integers(0, depth + 1, size=n)
+    has_child = rng.integers(0, 2, size=(n, depth + 1))
+    ranks = rng.integers(0, width, size=(n, depth + 1))
+    for i, a in enumerate(accepted):
+        has_child[i, :a] = 1  # a node whose child was accepted had children
+    return accepted.tolist(), has_child, ranks
+
+
+def _per_path(accepted: list[int], has_child: np.ndarray, ranks: np.ndarray) -> dict[str, object]:
+    counter = AcceptanceCounter()
+    for a, has, rank in zip(accepted, has_child.tolist(), ranks.tolist(), strict=True):
+        counter.record_path([bool(h) for h in has[: a + 1]], rank[1 : a + 1])
+    return counter.snapshot()
+
+
+@pytest.mark.parametrize("n", [1, VECTORISED_MIN_PATHS - 1, VECTORISED_MIN_PATHS, 64, 257])
+def test_batch_counts_equal_per_path_counts(n: int) -> None:
+    rng = np.random.default_rng(n)
+    counter = AcceptanceCounter()
+    expected_steps = []
+    for _ in range(5):  # several steps accumulate, lists grow as deeper depths are reached
+        accepted, has_child, ranks = _random_paths(rng, n, depth=6, width=4)
+        counter.record_paths(accepted, has_child, ranks)
+        expected_steps.append((accepted, has_child, ranks))
+    all_accepted = [a for acc, _, _ in expected_steps for a in acc]
+    all_has = np.concatenate([h for _, h, _ in expected_steps])
+    all_ranks = np.concatenate([r for _, _, r in expected_steps])
+    assert counter.snapshot() == _per_path(all_accepted, all_has, all_ranks)
+
+
+def test_batch_counts_leave_unreached_depths_out() -> None:
+    """Lists end at the deepest depth offered and the highest rank accepted, as per path."""
+    n = VECTORISED_MIN_PATHS
+    accepted = [1] * n
+    has_child = np.zeros((n, 7), dtype=np.int64)
+    has_child[:, :1] = 1  # only the root had children; the accepted depth-1 node had none
+    ranks = np.full((n, 7), 3)
+    ranks[:, 1] = 0
+    counter = AcceptanceCounter()
+    counter.record_paths(accepted, has_child, ranks)
+    assert counter.snapshot() == {
+        "num_steps": n,
+        "depth_reached": [n],
+        "depth_rank_accepted": [[n]],
+    }
