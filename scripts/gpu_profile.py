@@ -11,7 +11,10 @@ autoregressive step of an adaptive engine (its choice made, then overruled to no
 what adaptive's AR steps cost beyond the baseline's; also host-profiled), and a torch profile of
 one catch-up of ``--catch-up-profile-batch`` prompts (OUT/catch_up_profile.txt); with
 ``--closed-rounds`` closed batches as the benchmark runs them, autoregressive and adaptive
-alternating (``closed_bB`` in the JSON: tokens/s and step ms per round, adaptive's choices).
+alternating (``closed_bB`` in the JSON: tokens/s and step ms per round, adaptive's choices);
+with ``--step-phases`` where a steady tree step's wall time goes at each batch size
+(``phases_bB``: scheduling, the choice, the batch split, the input load, the graph launches,
+the wait for the device, ``_finish``'s host work, the engine's per-sequence loop).
 
     PYTHONPATH=. python scripts/gpu_profile.py OUT [--model models/demo]
 """
@@ -171,6 +174,70 @@ def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 24) -> 
     return text.getvalue()
 
 
+def _step_phases(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> dict[str, float]:
+    """Mean milliseconds per steady tree step in each part of it. Wrappers on the engine's and
+    the runner's methods (instance attributes, this diagnosis only) read the clock; the one in
+    ``_finish`` waits for the device first, so the wait and the host work are told apart (the
+    step would wait there anyway, on its device -> host copy)."""
+    g = eng.graphed_tree
+    assert g is not None
+    spent: dict[str, float] = {}
+
+    def timed(owner: object, name: str, wait: bool = False) -> None:
+        fn = getattr(owner, name)
+
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if wait:
+                t = time.perf_counter()
+                torch.cuda.synchronize()
+                spent["device_wait"] = spent.get("device_wait", 0.0) + time.perf_counter() - t
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+            return out
+
+        setattr(owner, name, run)
+
+    timed(eng.scheduler, "schedule")
+    for name in ("_choose_budget", "_split_graphed", "_graphed_step"):
+        timed(eng, name)
+    for name in ("run", "_load_inputs"):
+        timed(g, name)
+    timed(g, "_finish", wait=True)
+    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"ph{time.time_ns()}-{i}", p, sp)
+    for _ in range(4):
+        eng.step()
+    torch.cuda.synchronize()
+    spent.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    for rid in list(eng._requests):
+        eng.abort_request(rid)
+    for owner, names in ((eng.scheduler, ["schedule"]), (eng, ["_choose_budget", "_split_graphed", "_graphed_step"]),
+                         (g, ["run", "_load_inputs", "_finish"])):  # fmt: skip
+        for name in names:
+            delattr(owner, name)  # the class's methods again
+    ms = {k: v / steps * 1e3 for k, v in spent.items()}
+    row = {
+        "step": total / steps * 1e3,
+        "schedule": ms["schedule"],
+        "choose": ms["_choose_budget"],
+        "split_batch": ms["_split_graphed"],
+        "load_inputs": ms["_load_inputs"],
+        "launch": ms["run"] - ms["_load_inputs"] - ms["device_wait"] - ms["_finish"],
+        "device_wait": ms["device_wait"],
+        "finish_host": ms["_finish"],
+        "engine_loop": ms["_graphed_step"] - ms["run"],
+    }
+    row["other"] = row["step"] - sum(v for k, v in row.items() if k != "step")
+    return row
+
+
 def _label_phases(g) -> None:  # type: ignore[no-untyped-def]
     """Name the phases of ``g``'s device program in the torch profile (rows ``phase:*``): the
     MTP forwards, the tree growth per depth, the tree selection, the verify forward and the
@@ -212,6 +279,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--catch-up-profile-batch", type=int, default=1, help="prompts of the profiled catch-up"
+    )
+    parser.add_argument(
+        "--step-phases", action="store_true", help="break a steady tree step's wall time down"
     )
     args = parser.parse_args()
     out = Path(args.out)
@@ -260,6 +330,9 @@ def main() -> None:
             row["adaptive_ar_step_ms"] = min(d for _, d in pairs)
         report[f"b{b}"] = row
         print(b, row, flush=True)
+        if args.step_phases:
+            report[f"phases_b{b}"] = _step_phases(tree, batch_prompts)
+            print("phases", b, report[f"phases_b{b}"], flush=True)
     if args.host_profile_batch:
         b = args.host_profile_batch
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
