@@ -17,8 +17,10 @@ The arms:
   (``calibrate_latency``; on CUDA the forwards are timed as CUDA-graph replays). It is re-planned
   as the statistics grow; a new tree is a new arm, measured afresh.
 
-So the optimiser gives the shapes, and measurement decides, per batch size, whether and which
-to draft.
+So the optimiser gives the shapes, the simulator the tokens each arm yields per step under the
+live acceptance statistics (``_predict_yields``: the prior ``MeasuredArms`` calibrates with each
+arm's measured yield), and the measured step costs decide, per batch size, whether and which
+to draft: one model of the trade-off, with the latency side measured rather than modelled.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.kv.block_pool import BlockOwner
 from engine.params import SamplingParams
 from engine.sequence import SeqStatus, Sequence
-from engine.simulator import AcceptanceStats, LatencyModel, SpeculationPlanner
+from engine.simulator import (
+    AcceptanceStats,
+    LatencyModel,
+    SpeculationPlanner,
+    TreeShape,
+    expected_length,
+    optimal_tree,
+)
 from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
@@ -44,6 +53,7 @@ if TYPE_CHECKING:
 PRIOR = AcceptanceStats.chain([0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
 MIN_STEPS_FOR_LIVE_STATS = 32
 REPLAN_MAX_RECORDS = 16384
+PREDICT_GROWTH = 1.25  # the arms' yields are re-predicted when the statistics grow by this factor
 NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
 
 
@@ -61,6 +71,8 @@ class AdaptiveController:
         self._planned_at_steps = 0
         self._graphed_arms: dict[bool, list[TreeBudget]] = {}  # sampled -> captured budgets
         self.steps_per_arm: Counter[TreeBudget] = Counter()  # decode steps per chosen budget
+        # sampled -> (verify steps counted, arms) when the arms' yields were last predicted.
+        self._predicted_at: dict[bool, tuple[int, list[TreeBudget]]] = {}
 
     def calibrate_if_planning(self, engine: LLMEngine) -> None:
         """Time the latency model now when this engine plans host-path trees (no captured
@@ -99,11 +111,35 @@ class AdaptiveController:
         if not arms:  # host-driven path
             tree = self._planned_tree(engine)
             arms = [self.chain] if tree == self.chain else [self.chain, tree]
+        self._predict_yields(engine, sampled, arms)
         chosen = self.arms.choose(
             batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling, closed
         )
         self.steps_per_arm[chosen] += 1
         return chosen
+
+    def _predict_yields(self, engine: LLMEngine, sampled: bool, arms: list[TreeBudget]) -> None:
+        """Hand the arms the simulator's yield of each drafting budget under the live acceptance
+        statistics (greedy or sampled steps'), re-predicted as they grow by a quarter: the
+        expected length of a chain, or of the optimiser's tree for the budget (the graphed
+        greedy tree picks its nodes by the draft's own probabilities each step, which the
+        optimal fixed shape stands for; the sampled tree drafts that shape)."""
+        counter = engine.sampled_acceptance if sampled else engine.acceptance
+        steps = counter.num_steps
+        known = self._predicted_at.get(sampled)
+        if steps < MIN_STEPS_FOR_LIVE_STATS or (
+            known is not None and known[1] == arms and steps < known[0] * PREDICT_GROWTH
+        ):
+            return
+        try:
+            stats = AcceptanceStats.from_dict(counter.snapshot())
+        except ValueError:  # counters not yet usable (e.g. no node ever offered children)
+            return
+        for arm in arms:
+            shape = (TreeShape.chain(arm.depth) if arm.topk == 1
+                     else optimal_tree(stats, arm.num_draft_tokens, arm.depth, arm.topk))  # fmt: skip
+            self.arms.set_predicted_yield(sampled, arm, expected_length(shape, stats))
+        self._predicted_at[sampled] = (steps, list(arms))
 
     def _planned_tree(self, engine: LLMEngine) -> TreeBudget:
         """The planner's best tree at batch 1, re-planned at 32, 64, 128, ... verified

@@ -8,6 +8,15 @@ sequence the budget yields (pooled over buckets, each step weighted by its seque
 bucket's few steps measure a yield poorly, one prompt's steps stand for one prompt).
 The cheapest arm is used.
 
+A drafting arm's yield is the simulator's, calibrated by measurement: the engine hands in the
+expected tokens per step of each arm's shape under the live acceptance statistics
+(``set_predicted_yield``: ``engine.simulator.expected_length`` of the optimiser's tree for the
+budget, or of the chain), pooled over every drafting step of every arm, and the arm's own
+measured yield is its evidence: the two are averaged with the prediction counting as
+``YIELD_PRIOR_SEQ_STEPS`` sequence-steps. So an arm run for a few steps (the tree explored at
+batch 1 on one prompt) is valued by the model the optimiser plans with, not by those steps
+alone, and an arm measured over many sequence-steps by what it delivered.
+
 A bucket where an arm has not run yet extrapolates its step time from the buckets where it has:
 the line through the two nearest (a step costs a fixed part plus a part per sequence; drafting
 arms have the steeper line, verify work growing with the batch), or the one bucket's time as it
@@ -63,6 +72,7 @@ MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at mo
 EXTRAPOLATION_MARGIN = 0.5  # per batch doubling an estimate is extrapolated over, in a switch
 FLOOR_RISE = 0.05  # EWMA weight of a dearer step in an arm's floor cost per token
 HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it is made afresh
+YIELD_PRIOR_SEQ_STEPS = 16.0  # sequence-steps of measurement the simulator's yield counts as
 
 
 @dataclass
@@ -138,6 +148,8 @@ class MeasuredArms:
         self._lifetime: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         # How yields spread over sequences: what a closed batch's drain costs (engine.spec.drain).
         self.spread = YieldSpread()
+        # The simulator's tokens per sequence per step of each drafting arm (sampled, arm).
+        self._predicted: dict[tuple[bool, TreeBudget], float] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -166,6 +178,28 @@ class MeasuredArms:
             self._yield[(sampled, arm)] = (mean, n + batch_size)
             total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
             self._lifetime[(sampled, arm)] = (total + tokens, seq_steps + batch_size)
+
+    def set_predicted_yield(self, sampled: bool, arm: TreeBudget, tokens_per_step: float) -> None:
+        """The simulator's expected tokens per sequence per step of drafting ``arm`` (its
+        shape's expected accepted length plus the bonus token, under live statistics)."""
+        if not tokens_per_step >= 1.0:
+            raise ValueError(f"a predicted yield is at least 1 token per step, got {tokens_per_step}")
+        self._predicted[(sampled, arm)] = tokens_per_step
+
+    def arm_yield(self, sampled: bool, arm: TreeBudget) -> float | None:
+        """Tokens per sequence per step ``arm`` is expected to yield: the simulator's prediction
+        averaged with the measured yield (an EWMA over ~``1 / YIELD_RATE`` sequence-steps, so it
+        counts as at most that many), the prediction weighing ``YIELD_PRIOR_SEQ_STEPS``; either
+        alone where the other is missing (None: neither)."""
+        measured = self._yield.get((sampled, arm))
+        predicted = self._predicted.get((sampled, arm))
+        if predicted is None:
+            return None if measured is None else measured[0]
+        if measured is None:
+            return predicted
+        mean, seen = measured
+        weight = min(float(seen), 1.0 / YIELD_RATE)
+        return (mean * weight + predicted * YIELD_PRIOR_SEQ_STEPS) / (weight + YIELD_PRIOR_SEQ_STEPS)
 
     def mean_yield(self, sampled: bool, arm: TreeBudget) -> float:
         """Tokens per sequence per step ``arm`` has produced over all its steps (1.0 before any):
@@ -217,9 +251,8 @@ class MeasuredArms:
         return cost.seconds / (cost.rows * self._tokens_per_seq(sampled, arm, cost))
 
     def _tokens_per_seq(self, sampled: bool, arm: TreeBudget, cost: StepCost) -> float:
-        if not arm.speculates:
-            return cost.tokens / cost.rows
-        return self._yield.get((sampled, arm), (cost.tokens / cost.rows, 0))[0]
+        expected = self.arm_yield(sampled, arm) if arm.speculates else None
+        return cost.tokens / cost.rows if expected is None else expected
 
     def estimate(self, bucket: int, sampled: bool, arm: TreeBudget) -> _Estimate | None:
         """``arm``'s cost at ``bucket``: measured there, else extrapolated from the buckets where
@@ -386,7 +419,7 @@ class MeasuredArms:
         one per request; a batch growing through its prefill or shrinking as requests finish
         would pay one at every flip of its best arm."""
         if tokens_left is None:
-            tokens_left = SWITCH_HORIZON * self._yield.get((sampled, arm), (1.0, 0))[0]
+            tokens_left = SWITCH_HORIZON * (self.arm_yield(sampled, arm) or 1.0)
         tokens = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size
         return tokens * (base_cost - new.per_token)
 
@@ -395,7 +428,7 @@ class MeasuredArms:
     ) -> float:
         """What the batch's sequences finishing at different steps adds to ``arm``'s steady cost
         over the horizon (``engine.spec.drain.closed_batch_seconds`` less the steady cost)."""
-        mean_yield = self._yield.get((sampled, arm), (1.0, 0))[0]
+        mean_yield = self.arm_yield(sampled, arm) or 1.0
         steps = min(tokens_left, MAX_HORIZON_TOKENS) / max(mean_yield, 1.0)  # at the mean yield
         steps_at: dict[int, float] = {}
 

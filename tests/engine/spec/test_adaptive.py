@@ -100,3 +100,32 @@ def test_graphed_path_chooses_among_the_captured_budgets_by_measurement(
     assert {NO_SPEC, CHAIN, MAX} <= set(chosen[:12]), "every arm is measured first"
     assert chosen[40:].count(CHAIN) >= 0.8 * len(chosen[40:])
     assert NO_SPEC in chosen[40:] and MAX in chosen[40:], "the others are re-run now and then"
+
+
+def test_the_arms_yields_are_the_simulators_under_the_live_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One model of the trade-off: once enough verify steps are counted, each captured budget's
+    yield is the simulator's expected length of its shape (the optimiser's tree for the tree
+    budget, the chain for the chain) under the live statistics, re-predicted as they grow."""
+    from engine.simulator import AcceptanceStats, TreeShape, expected_length, optimal_tree
+
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    assert controller.arms.arm_yield(False, MAX) is None, "no statistics yet: nothing predicted"
+    for i in range(40):  # paths accepted to depth 1..4 through ranks 0 and 1
+        a = 1 + i % 4
+        eng.acceptance.record_path([True] * (a + 1), [i % 2 if d == 0 else 0 for d in range(a)])
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    stats = AcceptanceStats.from_dict(eng.acceptance.snapshot())
+    tree = expected_length(optimal_tree(stats, MAX.num_draft_tokens, MAX.depth, MAX.topk), stats)
+    chain = expected_length(TreeShape.chain(CHAIN.depth), stats)
+    assert controller.arms.arm_yield(False, MAX) == pytest.approx(tree)
+    assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(chain)
+    assert tree > chain > 1.0
+    for _ in range(5):  # 45 steps: under a quarter more, the prediction stands
+        eng.acceptance.record_path([True], [])
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    assert controller.arms.arm_yield(False, MAX) == pytest.approx(tree)
+    for _ in range(20):  # 65 steps: re-predicted (root-only paths lower depth 1's rate)
+        eng.acceptance.record_path([True], [])
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    assert controller.arms.arm_yield(False, MAX) < tree

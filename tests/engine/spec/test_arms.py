@@ -396,3 +396,41 @@ def test_the_mean_yield_is_every_step_of_the_arm() -> None:
     arms.observe(3, False, CHAIN, 0.01, 3)
     assert arms.mean_yield(False, CHAIN) == pytest.approx(8 / 4)
     assert arms.mean_yield(True, CHAIN) == 1.0
+
+
+def test_an_arm_yield_is_the_prediction_averaged_with_the_measurement() -> None:
+    arms = MeasuredArms()
+    assert arms.arm_yield(False, TREE) is None
+    arms.set_predicted_yield(False, TREE, 5.0)
+    assert arms.arm_yield(False, TREE) == 5.0  # nothing measured: the model alone
+    arms.observe(1, False, TREE, 0.002, 2)  # one sequence-step yielding 2 tokens
+    assert arms.arm_yield(False, TREE) == pytest.approx((2.0 * 1 + 5.0 * 16) / (1 + 16))
+    for _ in range(400):  # a long record: the EWMA counts as 1 / YIELD_RATE = 50 sequence-steps
+        arms.observe(8, False, TREE, 0.004, 24)
+    assert arms.arm_yield(False, TREE) == pytest.approx((3.0 * 50 + 5.0 * 16) / (50 + 16), rel=1e-3)
+    arms.observe(1, False, CHAIN, 0.002, 3)
+    assert arms.arm_yield(False, CHAIN) == 3.0  # no prediction: the measurement alone
+    with pytest.raises(ValueError, match="at least 1 token"):
+        arms.set_predicted_yield(False, TREE, 0.5)
+
+
+def test_an_arm_seen_on_a_few_poor_steps_is_valued_by_the_model() -> None:
+    """Batch 1: the tree explored for three steps on a prompt that accepted little, the chain
+    measured for long. The model of the pooled statistics puts the tree's yield above the
+    chain's; with it the tree wins at equal step costs, without it the few steps decide."""
+
+    def run(predict: bool) -> TreeBudget:
+        arms = MeasuredArms(explore_every=10_000)
+        for _ in range(3):
+            arms.observe(1, False, NO_SPEC, 0.0011, 1)
+        for _ in range(3):
+            arms.observe(1, False, TREE, 0.0019, 2)
+        for _ in range(60):
+            arms.observe(1, False, CHAIN, 0.0015, 3)
+        if predict:
+            arms.set_predicted_yield(False, TREE, 5.2)
+            arms.set_predicted_yield(False, CHAIN, 3.2)
+        return arms.choose(1, False, ARMS)
+
+    assert run(predict=False) == CHAIN
+    assert run(predict=True) == TREE
