@@ -11,6 +11,7 @@ from engine.simulator import AcceptanceStats, LatencyModel, best_budget, estimat
 from engine.simulator.cli import main
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.defaults import (
+    CHAIN_DEPTH,
     CPU_TREE,
     DEFAULT_INPUTS,
     DERIVATIONS,
@@ -32,6 +33,15 @@ def test_gpu_default_depth_and_size_are_the_optimisers_choice_on_the_h200_inputs
     # ask for at most 3 children; the graphed drafter keeps the top-4 frontier measured on the H200.
     assert derived.topk <= GPU_TREE.topk
     assert derived.min_path_prob == GPU_TREE.min_path_prob == 0.0
+
+
+def test_gpu_chain_arm_is_the_optimisers_best_chain_on_the_h200_inputs() -> None:
+    """Adaptive speculation's chain arm on the graphed path (``CHAIN_DEPTH``) is the chain the
+    optimiser picks at batch 1 when it may use one child per node."""
+    d = DERIVATIONS["cuda"]
+    stats, latency = d.inputs()
+    chain = derive_default_budget(stats, latency, 1, d.max_budget, d.max_depth, max_width=1)
+    assert (chain.topk, chain.depth) == (1, CHAIN_DEPTH)
 
 
 def _fixed(spec: str, stats: AcceptanceStats) -> TreeShape:
