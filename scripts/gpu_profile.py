@@ -44,13 +44,19 @@ def _event_ms(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
     return start.elapsed_time(end) / reps
 
 
-def _steady_step_ms(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> float:
+def _start_steady(eng: LLMEngine, prompts: list[list[int]], warm_steps: int = 4) -> None:
+    """Admit ``prompts`` (greedy, 400 tokens each) and run the prefill and first steps, so
+    that the next steps are steady decode steps; waits for the device."""
     sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"p{time.time_ns()}-{i}", p, sp)
-    for _ in range(4):  # prefill + first steps
+    for _ in range(warm_steps):
         eng.step()
     torch.cuda.synchronize()
+
+
+def _steady_step_ms(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> float:
+    _start_steady(eng, prompts)
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
@@ -153,12 +159,7 @@ def _host_profile(eng: LLMEngine, prompts: list[list[int]], steps: int = 24) -> 
     import io
     import pstats
 
-    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"h{time.time_ns()}-{i}", p, sp)
-    for _ in range(5):
-        eng.step()
-    torch.cuda.synchronize()
+    _start_steady(eng, prompts, warm_steps=5)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -204,12 +205,7 @@ def _step_phases(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> d
     for name in ("run", "_load_inputs"):
         timed(g, name)
     timed(g, "_finish", wait=True)
-    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"ph{time.time_ns()}-{i}", p, sp)
-    for _ in range(4):
-        eng.step()
-    torch.cuda.synchronize()
+    _start_steady(eng, prompts)
     spent.clear()
     t0 = time.perf_counter()
     for _ in range(steps):
