@@ -17,10 +17,11 @@ The arms:
   (``calibrate_latency``; on CUDA the forwards are timed as CUDA-graph replays). It is re-planned
   as the statistics grow; a new tree is a new arm, measured afresh.
 
-So the optimiser gives the shapes, the simulator the tokens each arm yields per step under the
-live acceptance statistics (``_predict_yields``: the prior ``MeasuredArms`` calibrates with each
-arm's measured yield), and the measured step costs decide, per batch size, whether and which
-to draft: one model of the trade-off, with the latency side measured rather than modelled.
+So the optimiser gives the shapes, the simulator the tokens each captured arm yields per step
+under the live acceptance statistics (``_predict_yields``: the prior ``MeasuredArms`` calibrates
+with each arm's measured yield; on the host path the planner's re-planned tree carries the
+model instead), and the measured step costs decide, per batch size, whether and which to draft:
+one model of the trade-off, with the latency side measured rather than modelled.
 """
 
 from __future__ import annotations
@@ -108,10 +109,11 @@ class AdaptiveController:
         arms = self._graphed_arms.get(sampled)
         if arms is None:
             arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
-        if not arms:  # host-driven path
+        if arms:
+            self._predict_yields(engine, sampled, arms)
+        else:  # host-driven path: the planner's tree is already the model's choice
             tree = self._planned_tree(engine)
             arms = [self.chain] if tree == self.chain else [self.chain, tree]
-        self._predict_yields(engine, sampled, arms)
         chosen = self.arms.choose(
             batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling, closed
         )
@@ -119,11 +121,19 @@ class AdaptiveController:
         return chosen
 
     def _predict_yields(self, engine: LLMEngine, sampled: bool, arms: list[TreeBudget]) -> None:
-        """Hand the arms the simulator's yield of each drafting budget under the live acceptance
-        statistics (greedy or sampled steps'), re-predicted as they grow by a quarter: the
-        expected length of a chain, or of the optimiser's tree for the budget (the graphed
-        greedy tree picks its nodes by the draft's own probabilities each step, which the
-        optimal fixed shape stands for; the sampled tree drafts that shape)."""
+        """Hand the captured arms the simulator's yield of each drafting budget under the live
+        acceptance statistics (greedy or sampled steps'), re-predicted as they grow by a
+        quarter: the expected length of a chain, or of the optimiser's tree for the budget (the
+        graphed greedy tree picks its nodes by the draft's own probabilities each step, which
+        the optimal fixed shape stands for; the sampled tree drafts that shape).
+
+        Graphed path only. The host path's tree arm is the planner's pick from the same model,
+        re-planned as the statistics grow, so the model is already in its choice; a prior on
+        top would favour the planner's deep chains, which the model over-predicts greedy
+        (README, simulator validation). Measured on the CPU demo model at batch 1 greedy: with
+        the prior 1.57-1.79x against 1.69-1.95x without in six paired runs, but three more
+        pairs of identical code gave 1.66-1.86x against 1.88-1.90x: that machine cannot tell
+        them apart, and the host path keeps the behaviour it had."""
         counter = engine.sampled_acceptance if sampled else engine.acceptance
         steps = counter.num_steps
         known = self._predicted_at.get(sampled)

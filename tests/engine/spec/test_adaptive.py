@@ -129,3 +129,15 @@ def test_the_arms_yields_are_the_simulators_under_the_live_statistics(monkeypatc
         eng.acceptance.record_path([True], [])
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, MAX) < tree
+
+
+def test_the_host_path_leaves_the_model_to_its_planned_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without captured steps the planner's tree is the model's pick already: its arms' yields
+    stay measured (no prior from the model on top)."""
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_SPEC, graphed=False)
+    for i in range(40):
+        a = 1 + i % 4
+        eng.acceptance.record_path([True] * (a + 1), [0] * a)
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    assert controller.arms.arm_yield(False, CHAIN) is None
+    assert controller.arms.arm_yield(False, controller._planned_tree(eng)) is None  # type: ignore[arg-type]
