@@ -64,6 +64,7 @@ QUIET_STEPS_FOR_CLOSED = 32
 # Zeroing records kept for ``drain_zero_events`` (the service drains them every step): an engine
 # driven offline, which never drains, keeps only the newest.
 MAX_ZERO_EVENTS = 4096
+NO_TOKEN_IDS: frozenset[int] = frozenset()  # the EOS ids of a request that ignores EOS
 
 
 class _BatchSummary(NamedTuple):
@@ -116,7 +117,6 @@ class LLMEngine:
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self._no_ids: frozenset[int] = frozenset()  # the EOS ids of requests that ignore EOS
         self.spec = spec
         self.config = engine_config
         self.device = device
@@ -874,7 +874,7 @@ class LLMEngine:
         reason = None
         n = len(seq.tokens)
         room = min(params.max_tokens - n + seq.output_start, self.max_model_len - n)
-        eos = self._no_ids if params.ignore_eos else self.eos_token_ids
+        eos = NO_TOKEN_IDS if params.ignore_eos else self.eos_token_ids
         if len(tokens) < room and eos.isdisjoint(tokens) and not params.stop_token_ids:
             # The common case, decided once for the step's tokens: none ends the request.
             seq.tokens.extend(tokens)

@@ -72,8 +72,8 @@ class AdaptiveController:
         self._planned_at_steps = 0
         self._graphed_arms: dict[bool, list[TreeBudget]] = {}  # sampled -> captured budgets
         self.steps_per_arm: Counter[TreeBudget] = Counter()  # decode steps per chosen budget
-        # sampled -> (verify steps counted, arms) when the arms' yields were last predicted.
-        self._predicted_at: dict[bool, tuple[int, list[TreeBudget]]] = {}
+        # sampled -> verify steps counted when the captured arms' yields were last predicted.
+        self._predicted_at: dict[bool, int] = {}
 
     def calibrate_if_planning(self, engine: LLMEngine) -> None:
         """Time the latency model now when this engine plans host-path trees (no captured
@@ -127,19 +127,14 @@ class AdaptiveController:
         graphed greedy tree picks its nodes by the draft's own probabilities each step, which
         the optimal fixed shape stands for; the sampled tree drafts that shape).
 
-        Graphed path only. The host path's tree arm is the planner's pick from the same model,
-        re-planned as the statistics grow, so the model is already in its choice; a prior on
-        top would favour the planner's deep chains, which the model over-predicts greedy
-        (README, simulator validation). Measured on the CPU demo model at batch 1 greedy: with
-        the prior 1.57-1.79x against 1.69-1.95x without in six paired runs, but three more
-        pairs of identical code gave 1.66-1.86x against 1.88-1.90x: that machine cannot tell
-        them apart, and the host path keeps the behaviour it had."""
+        Graphed path only (its arms are fixed at start-up). The host path's tree arm is the
+        planner's pick from the same model, re-planned as the statistics grow, so the model is
+        already in its choice; a prior on top would favour the planner's deep chains, which
+        the model over-predicts greedy (README, Known gaps)."""
         counter = engine.sampled_acceptance if sampled else engine.acceptance
         steps = counter.num_steps
         known = self._predicted_at.get(sampled)
-        if steps < MIN_STEPS_FOR_LIVE_STATS or (
-            known is not None and known[1] == arms and steps < known[0] * PREDICT_GROWTH
-        ):
+        if steps < MIN_STEPS_FOR_LIVE_STATS or (known is not None and steps < known * PREDICT_GROWTH):
             return
         try:
             stats = AcceptanceStats.from_dict(counter.snapshot())
@@ -149,7 +144,7 @@ class AdaptiveController:
             shape = (TreeShape.chain(arm.depth) if arm.topk == 1
                      else optimal_tree(stats, arm.num_draft_tokens, arm.depth, arm.topk))  # fmt: skip
             self.arms.set_predicted_yield(sampled, arm, expected_length(shape, stats))
-        self._predicted_at[sampled] = (steps, list(arms))
+        self._predicted_at[sampled] = steps
 
     def _planned_tree(self, engine: LLMEngine) -> TreeBudget:
         """The planner's best tree at batch 1, re-planned at 32, 64, 128, ... verified

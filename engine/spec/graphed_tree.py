@@ -479,8 +479,8 @@ class GraphedTreeStep:
     def _finish(self, buf: _Buffers, seqs: list[Sequence], c: list[int]) -> StepResults:
         """Read the step's outputs and move every sequence's KV/MTP bookkeeping forward.
 
-        This loop is the step's host work per sequence (at batch 64 on the H200's host it cost
-        two thirds of the device program): each sequence gets its views of the copied outputs
+        This loop is most of the step's host work per sequence (on the H200's host ~12 us each:
+        3 ms of a 17.7 ms step at batch 256): each sequence gets its views of the copied outputs
         from two calls for the whole batch (``split``, ``unbind``) and a few list updates; the
         acceptance statistics are counted for the batch at once (``StepResults``)."""
         n, D, P, k = len(seqs), self.D, self.D + 1, self.k
