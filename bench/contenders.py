@@ -18,6 +18,7 @@ from bench.hf_baseline import HFBaseline, mtp_unavailable_reason
 from bench.modes import ModeSpec
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 
+MIN_KV_BYTES = 64 << 20  # the probe engine's pool: room for every static path's padding
 SCRATCH_TOKENS = 160  # per request: one step's draft scratch (num_draft_tokens + topk + 2), generous
 
 
@@ -47,18 +48,20 @@ class Contender:
 
 
 def kv_bytes_for(engine: LLMEngine, batch: int, tokens_per_request: int) -> int:
-    """KV pool bytes for ``batch`` requests of ``tokens_per_request`` tokens (plus scratch)."""
+    """KV pool bytes for ``batch`` requests of ``tokens_per_request`` tokens (plus scratch), at
+    least ``MIN_KV_BYTES``: each engine's static paths also hold padding blocks (a prefill
+    graph's rows, a tree step's scratch), which a sweep of batch 1 alone did not leave room for."""
     cfg = engine.model_config
     block = engine.config.block_size
     blocks = batch * (-(-(tokens_per_request + SCRATCH_TOKENS) // block)) + 8
     dtype_bytes = next(engine.model.parameters()).element_size()
-    return int(blocks * block * cfg.latent_dim * cfg.num_layers_total * dtype_bytes * 1.1)
+    return max(int(blocks * block * cfg.latent_dim * cfg.num_layers_total * dtype_bytes * 1.1), MIN_KV_BYTES)
 
 
 def load_base(model_dir: str, device: str, dtype: str, max_batch: int, tokens_per_request: int,
               kv_memory_mb: int | None) -> LLMEngine:
     """The autoregressive engine; its KV pool sized for the sweep unless ``kv_memory_mb``."""
-    probe_cfg = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=64 << 20)
+    probe_cfg = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=MIN_KV_BYTES)
     base = LLMEngine.from_pretrained(model_dir, device=device, dtype=dtype,
                                      spec=SpecConfig(method="none"), engine_config=probe_cfg)
     memory = kv_memory_mb * (1 << 20) if kv_memory_mb else kv_bytes_for(base, max_batch, tokens_per_request)

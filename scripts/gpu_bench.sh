@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_bench.sh RESULTS_DIR [MODEL_DIR]
 #
-# 1. trains the `gpu` preset model into MODEL_DIR unless it already holds one (about 4 minutes);
+# 1. trains the `gpu` preset model into MODEL_DIR unless it already holds one (200 s, ~4 minutes in all);
 # 2. runs `mtpserve bench offline` on CUDA in bf16 (greedy check in float32 first), with a time
 #    limit so the whole script ends in time: points not started in time are listed as skipped;
 # 3. writes into RESULTS_DIR: <device>-<date>.json, .md, a few PNGs (if matplotlib is
@@ -12,7 +12,7 @@
 #    validates the simulator's predictions on the same model (scripts/validate_simulator.py ->
 #    simulator-validation-h200.json).
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
-# 180), DEADLINE_S (default 540: seconds from start by which the sweep must end),
+# 200), DEADLINE_S (default 540: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
 # BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep), VALIDATE_PROMPTS
 # (default 8: prompts of the simulator validation), TRACE_BATCHES (e.g. 4,16,64: then
@@ -42,7 +42,7 @@ if [ ! -f "$MODEL/config.json" ]; then
     echo "== training the gpu preset into $MODEL"
     rm -rf "$MODEL" "$MODEL.work"
     "$PY" -m train --preset gpu --out "$MODEL" --work-dir "$MODEL.work" \
-        --time-budget-s "${TRAIN_BUDGET_S:-180}"
+        --time-budget-s "${TRAIN_BUDGET_S:-200}"
 fi
 ELAPSED=$(( $(date +%s) - START ))
 # The limit counts from the start of the sweep (model load and float32 check included); leave

@@ -14,7 +14,10 @@ one catch-up of ``--catch-up-profile-batch`` prompts (OUT/catch_up_profile.txt);
 alternating (``closed_bB`` in the JSON: tokens/s and step ms per round, adaptive's choices);
 with ``--step-phases`` where a steady tree step's wall time goes at each batch size
 (``phases_bB``: scheduling, the choice, the batch split, the input load, the graph launches,
-the wait for the device, ``_finish``'s host work, the engine's per-sequence loop).
+the wait for the device, ``_finish``'s host work, the engine's per-sequence loop); with
+``--timeline`` one request alone at batch 1, step by step, for the autoregressive, tree and
+adaptive engines (``timeline_<mode>_p<i>``: each step's ms, budget, catch-up and tokens: what a
+request pays beyond its steady steps).
 
     PYTHONPATH=. python scripts/gpu_profile.py OUT [--model models/demo]
 """
@@ -234,6 +237,33 @@ def _step_phases(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> d
     return row
 
 
+def _timeline(eng: LLMEngine, prompt: list[int], max_tokens: int = 64) -> list[dict[str, object]]:
+    """One request alone, as the benchmark's batch-1 point runs it (after a warm-up request):
+    per engine step, its wall time (device work included), whether it prefilled, the budget it
+    decoded with, whether it caught the MTP modules up, and the tokens it emitted. Where a
+    request's time goes beyond its steady steps: the prefill, the catch-up, the last step."""
+    from bench.engine_run import run_batch
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    run_batch(eng, [prompt], sp)  # warm-up: graphs uploaded, adaptive arms measured
+    rows: list[dict[str, object]] = []
+    with eng.closed_batch():
+        eng.add_request(f"t{time.time_ns()}", list(prompt), sp)
+        torch.cuda.synchronize()
+        while eng.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = eng.step()
+            torch.cuda.synchronize()
+            rows.append({
+                "ms": (time.perf_counter() - t0) * 1e3,
+                "budget": eng.last_decode_budget,
+                "caught_up": eng._step_caught_up,
+                "catch_up_ms": None if eng._catch_up_s is None else eng._catch_up_s * 1e3,
+                "tokens": sum(len(o.new_token_ids) for o in outs),
+            })  # fmt: skip
+    return rows
+
+
 def _label_phases(g) -> None:  # type: ignore[no-untyped-def]
     """Name the phases of ``g``'s device program in the torch profile (rows ``phase:*``): the
     MTP forwards, the tree growth per depth, the tree selection, the verify forward and the
@@ -279,6 +309,10 @@ def main() -> None:
     parser.add_argument(
         "--step-phases", action="store_true", help="break a steady tree step's wall time down"
     )
+    parser.add_argument(
+        "--timeline", action="store_true",
+        help="per-step wall times of one batch-1 request for ar, tree and adaptive engines",
+    )  # fmt: skip
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -329,6 +363,16 @@ def main() -> None:
         if args.step_phases:
             report[f"phases_b{b}"] = _step_phases(tree, batch_prompts)
             print("phases", b, report[f"phases_b{b}"], flush=True)
+    if args.timeline:
+        engines = {"ar": ar, "tree": tree, "adaptive": sharing("adaptive")}
+        for i, prompt in enumerate(prompts[:3]):
+            for name, eng in engines.items():
+                rows = _timeline(eng, prompt)
+                report[f"timeline_{name}_p{i}"] = rows
+                total = sum(float(r["ms"]) for r in rows)  # type: ignore[arg-type]
+                print("timeline", name, i, f"{total:.2f} ms", [
+                    (round(float(r["ms"]), 2), r["budget"], r["tokens"], r["caught_up"]) for r in rows  # type: ignore[arg-type]
+                ], flush=True)  # fmt: skip
     if args.host_profile_batch:
         b = args.host_profile_batch
         batch_prompts = [prompts[i % len(prompts)] for i in range(b)]

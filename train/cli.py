@@ -30,7 +30,7 @@ from engine.model.loader import load_model
 from train.corpus import Corpus, CorpusConfig, build_corpus, read_text
 from train.data import WindowSampler, encode_texts, eval_windows, load_tokens, save_tokens
 from train.export import export_tensors, save_weights, weight_bytes, write_configs
-from train.presets import PRESETS, Preset, get_preset
+from train.presets import PRESETS, Preset, get_preset, parse_override
 from train.tokenizer import load_tokenizer, sample_texts, save_tokenizer, train_tokenizer
 from train.trainer import RunSettings, Trainer
 
@@ -65,11 +65,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-corpus-mb", type=float, help="cap on training-split bytes")
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seq-len", type=int)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a preset field, e.g. num_mtp_modules=6 (repeatable)",
+    )
     ap.add_argument("--ckpt-every-s", type=float, default=180.0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.time_budget_s is not None and args.time_budget_s <= 0:
         ap.error("--time-budget-s must be positive")
+    try:
+        args.overrides = dict(parse_override(spec) for spec in args.set)
+    except ValueError as err:
+        ap.error(str(err))
     return args
 
 
@@ -188,7 +199,7 @@ def export(
 def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     args = parse_args(argv)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(args.overrides)
     if args.max_corpus_mb is not None:
         overrides["max_train_bytes"] = int(args.max_corpus_mb * 1e6)
     if args.batch_size is not None:

@@ -51,6 +51,89 @@ def logprob_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return topk_last(torch.log_softmax(logits, dim=-1, dtype=torch.float32), k)
 
 
+_TIES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def tie_breaks(T: int, device: torch.device) -> Tensor:  # [T] float64
+    """``index * TIE_BREAK`` of ``T`` candidates (what ``select_nodes`` subtracts from their
+    scores), made once per size and device: the graphed step reads it as a constant."""
+    key = (T, torch.device(device))
+    if key not in _TIES:
+        _TIES[key] = torch.arange(T, device=device, dtype=torch.float64) * TIE_BREAK
+    return _TIES[key]
+
+
+def grow_frontier(
+    front_score: Tensor,  # [B, K] cumulative score of each frontier node
+    front_idx: Tensor,  # [B, K] its candidate index
+    child_logp: Tensor,  # [B, K, K] log-probability of each node's K best children
+    child_tok: Tensor,  # [B, K, K] their tokens
+    front_hidden: Tensor,  # [B, K, H] the frontier rows' hidden states
+    offset: int,  # candidate index of this depth's first child
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One depth of the greedy tree's growth: the depth's ``K * K`` candidates (cumulative
+    scores, tokens, parent candidate indices [B, K*K]) and the next frontier, their ``K`` best
+    (scores, candidate indices, tokens [B, K], their parents' hidden rows [B, K, H]). On CUDA
+    with Triton one fused kernel (``engine.kernels.tree_grow``); else torch ops."""
+    if front_hidden.is_cuda and triton_available():
+        from engine.kernels.tree_grow import grow_frontier_triton
+
+        fused = run_kernel("grow_frontier", lambda: grow_frontier_triton(
+            front_score, front_idx, child_logp, child_tok, front_hidden, offset))  # fmt: skip
+        if fused is not None:
+            return fused
+    return grow_frontier_torch(front_score, front_idx, child_logp, child_tok, front_hidden, offset)
+
+
+def grow_frontier_torch(
+    front_score: Tensor, front_idx: Tensor, child_logp: Tensor, child_tok: Tensor,
+    front_hidden: Tensor, offset: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``grow_frontier`` as torch ops (the reference of the fused kernel)."""
+    B, K, H = front_hidden.shape
+    score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
+    tok = child_tok.reshape(B, K * K)
+    parents = front_idx[:, :, None].expand(B, K, K).reshape(B, K * K)
+    new_score, pick = score.topk(K, -1)  # [B, K]
+    hidden = front_hidden.gather(1, (pick // K)[:, :, None].expand(B, K, H))
+    return score, tok, parents, new_score, pick + offset, tok.gather(1, pick), hidden
+
+
+def select_tree(
+    scores: Tensor,  # [B, T] cumulative draft log-probability of each candidate
+    cand_parents: Tensor,  # [B, T] candidate index of the parent, -1 for children of the root
+    cand_tokens: Tensor,  # [B, T]
+    cand_depth: Tensor,  # [T] depth of each candidate
+    root_tokens: Tensor,  # [B]
+    num_nodes: int,
+    max_depth: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The tree of the ``num_nodes`` best candidates (``select_nodes``): tokens, parents and
+    depths [B, N+1] (root first) and its ancestor mask [B, N+1, N+1]. On CUDA with Triton two
+    fused kernels (``engine.kernels.tree_select``); else torch ops."""
+    if scores.is_cuda and triton_available():
+        from engine.kernels.tree_select import select_tree_triton
+
+        tie = tie_breaks(scores.shape[1], scores.device)
+        fused = run_kernel("select_tree", lambda: select_tree_triton(
+            scores, tie, cand_parents, cand_tokens, cand_depth, root_tokens, num_nodes, max_depth))  # fmt: skip
+        if fused is not None:
+            return fused
+    return select_tree_torch(scores, cand_parents, cand_tokens, cand_depth, root_tokens, num_nodes, max_depth)
+
+
+def select_tree_torch(
+    scores: Tensor, cand_parents: Tensor, cand_tokens: Tensor, cand_depth: Tensor,
+    root_tokens: Tensor, num_nodes: int, max_depth: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``select_tree`` as torch ops (the reference of the fused kernels)."""
+    sel, parents = select_nodes(scores, cand_parents, num_nodes)  # [B, N], [B, N+1]
+    root = root_tokens[:, None].long()  # [B, 1]
+    tokens = torch.cat([root, cand_tokens.long().gather(1, sel)], 1)
+    depths = torch.cat([torch.zeros_like(root), cand_depth[sel].long()], 1)
+    return tokens, parents, depths, ancestor_mask(parents, max_depth)
+
+
 def select_nodes(
     scores: Tensor,  # [B, T] cumulative draft log-probability of each candidate
     cand_parents: Tensor,  # [B, T] candidate index of the parent, -1 for children of the root
@@ -62,8 +145,7 @@ def select_nodes(
     selection is ancestor-closed whenever parents are created before their children.
     """
     B, T = scores.shape
-    order = torch.arange(T, device=scores.device, dtype=torch.float64)
-    key = scores.double() - order * TIE_BREAK
+    key = scores.double() - tie_breaks(T, scores.device)
     sel = key.topk(num_nodes, -1).indices.sort(-1).values  # [B, N]
     node_of = torch.zeros(B, T, dtype=torch.long, device=scores.device)
     node_of.scatter_(1, sel, torch.arange(1, num_nodes + 1, device=scores.device).expand(B, num_nodes))

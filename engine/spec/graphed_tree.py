@@ -51,9 +51,9 @@ from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.device_tree import (
     AcceptedPath,
     accept_greedy,
-    ancestor_mask,
+    grow_frontier,
     logprob_topk,
-    select_nodes,
+    select_tree,
 )
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
@@ -713,25 +713,24 @@ class GraphedGreedyTree(GraphedTreeStep):
             self._front = score, self.first_frontier.expand(B, K)
             return token, front_hidden.expand(B, K, H)
         assert self._front is not None
-        front_score, front_idx = self._front
         child_logp, child_tok = logprob_topk(self.model.lm_head(front_hidden), K)  # [B, K, K]
-        child_score = (front_score[:, :, None] + child_logp).reshape(B, K * K)
-        self._cand["tok"].append(child_tok.reshape(B, K * K))
-        self._cand["score"].append(child_score)
-        self._cand["parent"].append(front_idx[:, :, None].expand(B, K, K).reshape(B, K * K))
-        front_score, pick = child_score.topk(K, -1)  # [B, K]
-        self._front = front_score, pick + (K + (m - 2) * K * K)
-        token = child_tok.reshape(B, K * K).gather(1, pick)
-        return token, front_hidden.gather(1, (pick // K)[:, :, None].expand(B, K, H))
+        score, tok, parent, front_score, front_idx, token, hidden = grow_frontier(
+            *self._front, child_logp, child_tok, front_hidden, K + (m - 2) * K * K
+        )  # [B, K*K] x3, [B, K] x3, [B, K, H]
+        self._cand["tok"].append(tok)
+        self._cand["score"].append(score)
+        self._cand["parent"].append(parent)
+        self._front = front_score, front_idx
+        return token, hidden
 
     def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
         cand = self._cand
-        sel, P = select_nodes(torch.cat(cand["score"], 1), torch.cat(cand["parent"], 1), self.N)  # [B, N], [B, N+1]
-        self._parents = P
-        root = buf.tail.gather(1, (buf.c - 1)[:, None])  # [B, 1]
-        tree_tok = torch.cat([root, torch.cat(cand["tok"], 1).gather(1, sel)], 1)  # [B, N+1]
-        self._depth = torch.cat([torch.zeros_like(root), self.cand_depth[sel]], 1)  # [B, N+1]
-        return tree_tok, self._depth, ancestor_mask(P, self.D)
+        root = buf.tail.gather(1, (buf.c - 1)[:, None])[:, 0]  # [B]
+        tree_tok, self._parents, self._depth, mask = select_tree(
+            torch.cat(cand["score"], 1), torch.cat(cand["parent"], 1), torch.cat(cand["tok"], 1),
+            self.cand_depth, root, self.N, self.D,
+        )  # [B, N+1] x3, [B, N+1, N+1]
+        return tree_tok, self._depth, mask
 
     def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
         target = self.model.lm_head(hidden).argmax(-1)  # [B, N+1] (the argmax of the logits)

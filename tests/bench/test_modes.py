@@ -25,3 +25,4 @@ def test_malformed_tree_shape_is_a_clear_error(bad: str) -> None:
 def test_unknown_mode_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown modes"):
         build_modes(["tree", "medusa"], [])
+

@@ -27,6 +27,7 @@ from tests.engine.kernels.accept_cases import (
     check_logprob_topk,
 )
 from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
+from tests.engine.kernels.tree_build_cases import check_grow_frontier, check_select_tree
 
 # name -> (make_case kwargs, kernel kwargs); checked against the reference and the naive loop.
 ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
@@ -125,6 +126,8 @@ def run_all() -> dict[str, dict]:
         "accept/greedy_random_trees": lambda: check_accept_greedy("cpu"),
         "accept/logprob_topk": lambda: check_logprob_topk("cpu"),
         "accept/sampled_random_trees": lambda: check_accept_sampled("cpu"),
+        "tree/grow_frontier": lambda: check_grow_frontier("cpu"),
+        "tree/select": lambda: check_select_tree("cpu"),
     }
     for name, job in jobs.items():
         try:

@@ -32,8 +32,19 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     ), 8, 2),
     "combine_splits": ("combine", dict(NUM_SPLITS=16, BLOCK_S=16, BLOCK_R=512), 4, 1),
     "compaction": ("compaction", dict(BLOCK_D=64, BLOCK_K=32, BLOCK_Z=32), 4, 1),
+    # The graphed greedy tree's building kernels at the gpu preset's tree (4 x 6, 32 nodes:
+    # 84 candidates) and a wider one (8 x 6, 64 nodes: 328 candidates).
+    "tree_rank_84": ("tree_rank", dict(N=32, BLOCK_T=128, CHUNK=32), 4, 1),
+    "tree_rank_328": ("tree_rank", dict(N=64, BLOCK_T=512, CHUNK=32), 8, 1),
+    "tree_tables_32": ("tree_tables", dict(N=32, DEPTH=6, BLOCK_N=64), 8, 1),
+    "tree_tables_64": ("tree_tables", dict(N=64, DEPTH=6, BLOCK_N=128), 8, 1),
+    "tree_grow_k4": ("tree_grow", dict(K=4, BLOCK_KK=16, BLOCK_H=1024), 4, 1),
 }
-NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction"]
+NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
+            "tree_tables_32", "tree_grow_k4"]
+# Argument types of the tree kernels (the others' follow from their names, ``_arg_type``).
+TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp32", "logp_ptr": "*fp32",
+              "new_score_ptr": "*fp32", "hidden_ptr": "*bf16", "new_hidden_ptr": "*bf16", "mask_ptr": "*i1"}
 
 
 def _arg_type(name: str, fp32: bool) -> str:
@@ -61,16 +72,27 @@ def compile_variant(name: str) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from engine.kernels.compaction import _compact_and_zero_kernel
+    from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
+    from engine.kernels.tree_select import _rank_kernel, _tables_kernel
 
     kind, consts, num_warps, num_stages = VARIANTS[name]
     fn = {"attention": _tree_mla_fwd_kernel, "combine": _combine_splits_kernel,
-          "compaction": _compact_and_zero_kernel}[kind]
+          "compaction": _compact_and_zero_kernel, "tree_rank": _rank_kernel,
+          "tree_tables": _tables_kernel, "tree_grow": _grow_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {**consts, "BLOCK_R": 512, "BLOCK_P": 64,
                   "DOT_PRECISION": "ieee" if fp32 else "tf32"}
-    signature = {a: "constexpr" if a in consts else _arg_type(a, fp32) for a in fn.arg_names}
+
+    def arg_type(arg: str) -> str:
+        if not kind.startswith("tree_"):
+            return _arg_type(arg, fp32)
+        if arg in TREE_TYPES:
+            return TREE_TYPES[arg]
+        return "*i64" if arg.endswith("_ptr") else "i64" if arg == "offset" or arg.startswith("stride") else "i32"
+
+    signature = {a: "constexpr" if a in consts else arg_type(a) for a in fn.arg_names}
     kernel = triton.compile(
         ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},

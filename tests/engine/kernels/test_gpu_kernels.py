@@ -99,6 +99,20 @@ def test_fused_sampled_acceptance_equals_the_torch_ops_on_gpu() -> None:
     assert share <= tol, f"the fused sampled acceptance differs on {share:.1%} of the trees"
 
 
+def test_fused_tree_growth_equals_the_torch_ops_on_gpu() -> None:
+    from tests.engine.kernels.tree_build_cases import check_grow_frontier
+
+    err, tol = check_grow_frontier("cuda")
+    assert err <= tol, "the fused growth of a depth differs from grow_frontier_torch"
+
+
+def test_fused_tree_selection_equals_the_torch_ops_on_gpu() -> None:
+    from tests.engine.kernels.tree_build_cases import check_select_tree
+
+    err, tol = check_select_tree("cuda")
+    assert err <= tol, "the fused selection differs from select_tree_torch"
+
+
 def test_fused_logprob_topk_equals_the_torch_ops_on_gpu() -> None:
     from tests.engine.kernels.accept_cases import check_logprob_topk
 
