@@ -35,13 +35,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from operator import is_
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from engine.cuda_graphs import capture_or_run_eagerly
+from engine.kernels import run_kernel, triton_available
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -76,6 +77,17 @@ class StepResults:
 _POS, _WIN, _QON, _QOFF, _KEEP = range(5)  # columns of _RowPlan.meta
 
 
+class _RowInputs(NamedTuple):
+    """One MTP forward's attention inputs (``_RowPlan.inputs``), rows sequence-major."""
+
+    positions: Tensor  # [B * R] int64
+    slots: Tensor  # [B * R] int64 flat cache slots
+    ctx_lens: Tensor  # [B] int32 module entries before the rows
+    new_mask: Tensor  # [B * R, R] bool rows' mask among themselves
+    query_ctx_lens: Tensor  # [B * R] int32 context each row may see
+    zero: Tensor  # [B * R] int64 slots to zero after the forward (the trash slot for kept rows)
+
+
 @dataclass
 class _RowPlan:
     """The rows of one MTP forward of the step (depth ``m``), precomputed for every ``c``.
@@ -102,6 +114,35 @@ class _RowPlan:
 
     def ctx(self, L: Tensor, c: Tensor) -> Tensor:  # [B] committed module entries
         return L - c + self.ctx_offset if self.catch_up else L + self.ctx_offset
+
+    def inputs(self, L: Tensor, c: Tensor, window: Tensor, trash: int) -> _RowInputs:
+        """This forward's attention inputs for sequences at ``L`` with ``c`` catch-up rows
+        (``window`` [B, W]: the flat slots of the step's positions window) and the slots to
+        zero after it. On CUDA with Triton one fused kernel (``engine.kernels.mtp_rows``)."""
+        if window.is_cuda and triton_available():
+            from engine.kernels.mtp_rows import mtp_rows_triton
+
+            fused = run_kernel("mtp_rows", lambda: mtp_rows_triton(
+                L, c, window, self.meta, self.mask, trash, self.ctx_offset, self.catch_up,
+                (_POS, _WIN, _QON, _QOFF, _KEEP)))  # fmt: skip
+            if fused is not None:
+                return _RowInputs(*fused)
+        return self.inputs_torch(L, c, window, trash)
+
+    def inputs_torch(self, L: Tensor, c: Tensor, window: Tensor, trash: int) -> _RowInputs:
+        """``inputs`` as torch ops (the reference of the fused kernel)."""
+        B, R = window.shape[0], self.rows
+        meta = self.meta.index_select(0, c)  # [B, R, 5] this step's row layout
+        ctx = self.ctx(L, c)  # [B]
+        slots = window.gather(1, meta[..., _WIN])  # [B, R]
+        return _RowInputs(
+            positions=(L[:, None] + meta[..., _POS]).reshape(-1),
+            slots=slots.reshape(-1),
+            ctx_lens=ctx.to(torch.int32),
+            new_mask=self.mask.index_select(0, c).reshape(B * R, R),
+            query_ctx_lens=(ctx[:, None] * meta[..., _QON] + meta[..., _QOFF]).reshape(-1).to(torch.int32),
+            zero=torch.where(meta[..., _KEEP].bool(), trash, slots).reshape(-1),
+        )
 
     @classmethod
     def build(cls, m: int, k: int, F: int, C: int, device: torch.device) -> _RowPlan:
@@ -539,26 +580,22 @@ class GraphedTreeStep:
         prev: Tensor,  # [B, R, H] previous depth's hidden of each row
     ) -> Tensor:  # [B, R, H]
         B, R = buf.bucket, plan.rows
-        meta = plan.meta.index_select(0, buf.c)  # [B, R, 5] this step's row layout
-        mask = plan.mask.index_select(0, buf.c)  # [B, R, R]
-        ctx = plan.ctx(buf.L, buf.c)  # [B]
-        slots = window.gather(1, meta[..., _WIN])  # [B, R]
+        rows = plan.inputs(buf.L, buf.c, window, self.trash_slot)
         batch = AttentionBatch(
-            positions=(buf.L[:, None] + meta[..., _POS]).reshape(-1),
-            slot_mapping=slots.reshape(-1),
+            positions=rows.positions,
+            slot_mapping=rows.slots,
             block_tables=buf.tables,
-            ctx_lens=ctx.to(torch.int32),
+            ctx_lens=rows.ctx_lens,
             query_start=buf.query_start[R],
-            new_mask=mask.reshape(B * R, R),
-            query_ctx_lens=(ctx[:, None] * meta[..., _QON] + meta[..., _QOFF]).reshape(-1).to(torch.int32),
+            new_mask=rows.new_mask,
+            query_ctx_lens=rows.query_ctx_lens,
         )
         hidden = self.model.forward_mtp(
             plan.module, prev.reshape(B * R, -1), tokens.reshape(-1), batch, self.pool.kv_cache
         )
         # Everything past the committed rows was a draft or padding: zero it now.
-        zero = torch.where(meta[..., _KEEP].bool(), self.trash_slot, slots).reshape(-1)
         layer = self.pool.kv_cache[self.model.mtp_cache_layer(plan.module)]
-        layer.view(-1, layer.shape[-1]).index_fill_(0, zero, 0)
+        layer.view(-1, layer.shape[-1]).index_fill_(0, rows.zero, 0)
         return hidden.view(B, R, -1)
 
     def _draft_verify_accept(self, buf: _Buffers) -> None:

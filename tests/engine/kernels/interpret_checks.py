@@ -27,7 +27,7 @@ from tests.engine.kernels.accept_cases import (
     check_logprob_topk,
 )
 from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
-from tests.engine.kernels.tree_build_cases import check_grow_frontier, check_select_tree
+from tests.engine.kernels.tree_build_cases import check_grow_frontier, check_mtp_rows, check_select_tree
 
 # name -> (make_case kwargs, kernel kwargs); checked against the reference and the naive loop.
 ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
@@ -128,6 +128,7 @@ def run_all() -> dict[str, dict]:
         "accept/sampled_random_trees": lambda: check_accept_sampled("cpu"),
         "tree/grow_frontier": lambda: check_grow_frontier("cpu"),
         "tree/select": lambda: check_select_tree("cpu"),
+        "tree/mtp_rows": lambda: check_mtp_rows("cpu"),
     }
     for name, job in jobs.items():
         try:

@@ -39,12 +39,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "tree_tables_32": ("tree_tables", dict(N=32, DEPTH=6, BLOCK_N=64), 8, 1),
     "tree_tables_64": ("tree_tables", dict(N=64, DEPTH=6, BLOCK_N=128), 8, 1),
     "tree_grow_k4": ("tree_grow", dict(K=4, BLOCK_KK=16, BLOCK_H=1024), 4, 1),
+    "tree_mtp_rows": ("tree_mtp_rows", dict(CATCH_UP=True, R=11, BLOCK_R=16, POS=0, WIN=1, QON=2, QOFF=3,
+                                             KEEP=4), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
-            "tree_tables_32", "tree_grow_k4"]
+            "tree_tables_32", "tree_grow_k4", "tree_mtp_rows"]
 # Argument types of the tree kernels (the others' follow from their names, ``_arg_type``).
 TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp32", "logp_ptr": "*fp32",
-              "new_score_ptr": "*fp32", "hidden_ptr": "*bf16", "new_hidden_ptr": "*bf16", "mask_ptr": "*i1"}
+              "new_score_ptr": "*fp32", "hidden_ptr": "*bf16", "new_hidden_ptr": "*bf16", "mask_ptr": "*i1",
+              "new_mask_ptr": "*i1", "ctx_ptr": "*i32", "qctx_ptr": "*i32", "trash": "i64"}
 
 
 def _arg_type(name: str, fp32: bool) -> str:
@@ -72,6 +75,7 @@ def compile_variant(name: str) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from engine.kernels.compaction import _compact_and_zero_kernel
+    from engine.kernels.mtp_rows import _mtp_rows_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
     from engine.kernels.tree_select import _rank_kernel, _tables_kernel
@@ -79,7 +83,7 @@ def compile_variant(name: str) -> dict[str, Any]:
     kind, consts, num_warps, num_stages = VARIANTS[name]
     fn = {"attention": _tree_mla_fwd_kernel, "combine": _combine_splits_kernel,
           "compaction": _compact_and_zero_kernel, "tree_rank": _rank_kernel,
-          "tree_tables": _tables_kernel, "tree_grow": _grow_kernel}[kind]  # fmt: skip
+          "tree_tables": _tables_kernel, "tree_grow": _grow_kernel, "tree_mtp_rows": _mtp_rows_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {**consts, "BLOCK_R": 512, "BLOCK_P": 64,

@@ -113,6 +113,13 @@ def test_fused_tree_selection_equals_the_torch_ops_on_gpu() -> None:
     assert err <= tol, "the fused selection differs from select_tree_torch"
 
 
+def test_fused_mtp_forward_inputs_equal_the_torch_ops_on_gpu() -> None:
+    from tests.engine.kernels.tree_build_cases import check_mtp_rows
+
+    err, tol = check_mtp_rows("cuda")
+    assert err <= tol, "the fused MTP forward inputs differ from _RowPlan.inputs_torch"
+
+
 def test_fused_logprob_topk_equals_the_torch_ops_on_gpu() -> None:
     from tests.engine.kernels.accept_cases import check_logprob_topk
 

@@ -1,5 +1,6 @@
 """Random drafting depths and candidate sets for the fused tree-building kernels (growth per
-depth, selection and mask) against their torch references in ``engine.spec.device_tree``.
+depth, selection and mask, each MTP forward's attention inputs) against their torch references
+(``engine.spec.device_tree``, ``engine.spec.graphed_tree._RowPlan.inputs_torch``).
 
 Shared by the interpreter checks (CPU) and the GPU tests. Candidates are laid out as the graphed
 greedy step lays them out: depth-major, each child scored below its parent. Some cases put
@@ -77,4 +78,29 @@ def check_grow_frontier(device: str) -> tuple[float, float]:
         got = grow_frontier_triton(*args, offset)
         if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
             return 1.0, 0.0
+    return 0.0, 0.0
+
+
+def check_mtp_rows(device: str) -> tuple[float, float]:
+    """0 when the fused attention inputs of an MTP forward equal ``_RowPlan.inputs_torch`` for
+    every depth's plan of a few step shapes (catch-up rows, frontier rows, reused modules)."""
+    from engine.kernels.mtp_rows import mtp_rows_triton
+    from engine.spec.graphed_tree import _KEEP, _POS, _QOFF, _QON, _WIN, _RowPlan
+
+    gen = torch.Generator().manual_seed(29)
+    for k, D, K in [(4, 6, 4), (3, 3, 2), (1, 4, 3), (4, 2, 1)]:
+        C = D + 1
+        frontier = [0] + [K] * (D - 1)
+        for m in range(1, max(D, k) + 1):
+            plan = _RowPlan.build(m, k, frontier[m - 1] if m <= D else 0, C, torch.device(device))
+            B = 5
+            W = int(plan.meta[1:, :, _WIN].max()) + 3
+            L = torch.randint(k + C, 500, (B,), generator=gen).to(device)
+            c = torch.randint(1, C + 1, (B,), generator=gen).to(device)
+            window = torch.randint(0, 10_000, (B, W), generator=gen).to(device)
+            want = plan.inputs_torch(L, c, window, 99_999)
+            got = mtp_rows_triton(L, c, window, plan.meta, plan.mask, 99_999, plan.ctx_offset, plan.catch_up,
+                                  (_POS, _WIN, _QON, _QOFF, _KEEP))  # fmt: skip
+            if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
+                return 1.0, 0.0
     return 0.0, 0.0
