@@ -27,7 +27,11 @@ from tests.engine.kernels.accept_cases import (
     check_logprob_topk,
 )
 from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
-from tests.engine.kernels.tree_build_cases import check_grow_frontier, check_mtp_rows, check_select_tree
+from tests.engine.kernels.tree_build_cases import (
+    check_grow_frontier,
+    check_mtp_rows,
+    check_select_tree,
+)
 
 # name -> (make_case kwargs, kernel kwargs); checked against the reference and the naive loop.
 ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
