@@ -155,6 +155,10 @@ class LLMEngine:
         self._hidden_log = HiddenLog()
         self.acceptance = AcceptanceCounter()
         self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
+        # Each captured tree budget's own steps, (sampled, budget) -> counter: the rates of
+        # sibling ranks past the first, which chain steps (rank 0 only) would dilute in the
+        # counters above (adaptive speculation predicts each arm's yield from them).
+        self.arm_acceptance: dict[tuple[bool, TreeBudget], AcceptanceCounter] = {}
         self.last_timings = StepTimings()
         self.static_forward: StaticTargetForward | None = None
         self.graphed_tree: GraphedGreedyTree | None = None
@@ -750,8 +754,11 @@ class LLMEngine:
         elapsed = time.perf_counter() - t0
         drafted = runner.N
         results.record_acceptance(self.acceptance)
-        if isinstance(runner, GraphedSampledTree):
+        sampled = isinstance(runner, GraphedSampledTree)
+        if sampled:
             results.record_acceptance(self.sampled_acceptance)
+        if self.adaptive is not None and runner.budget.topk > 1:
+            results.record_acceptance(self.arm_acceptance.setdefault((sampled, runner.budget), AcceptanceCounter()))
         self._step_tokens += sum(results.num_accepted) + len(seqs)
         for seq, tokens, accepted in zip(seqs, results.tokens, results.num_accepted, strict=True):
             seq.stats.record_step(drafted, accepted)

@@ -242,6 +242,11 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert {arms[0].num_draft_tokens, arms[1].num_draft_tokens} <= set(used)
+    # The tree's own steps are counted apart (its yield's statistics); the chain's only pooled.
+    tree_steps = used.count(arms[0].num_draft_tokens)
+    assert set(eng.arm_acceptance) == {(False, arms[0])}
+    assert 0 < eng.arm_acceptance[(False, arms[0])].num_steps <= eng.acceptance.num_steps
+    assert tree_steps > 0 and eng.acceptance.num_steps > eng.arm_acceptance[(False, arms[0])].num_steps
     assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
     assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
 
