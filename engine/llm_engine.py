@@ -759,6 +759,11 @@ class LLMEngine:
             results.record_acceptance(self.sampled_acceptance)
         if self.adaptive is not None and runner.budget.topk > 1:
             results.record_acceptance(self.arm_acceptance.setdefault((sampled, runner.budget), AcceptanceCounter()))
+            chain = self.adaptive.chain
+            if chain.depth <= runner.D:  # what the chain would have yielded on these prompts
+                self.adaptive.arms.observe_counterfactual_yield(
+                    len(seqs), sampled, chain, results.chain_tokens(chain.depth)
+                )
         self._step_tokens += sum(results.num_accepted) + len(seqs)
         for seq, tokens, accepted in zip(seqs, results.tokens, results.num_accepted, strict=True):
             seq.stats.record_step(drafted, accepted)

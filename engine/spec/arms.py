@@ -169,15 +169,27 @@ class MeasuredArms:
         else:
             cost.add(seconds, batch_size, tokens)
         if arm.speculates:
-            # A memory of ~50 sequence-steps, each step weighted by its sequences: a batch of
-            # 16 is 16 samples of the yield, and prompts differ (a batch of one easy prompt
-            # must not set the yield a batch of 16 then relies on).
-            mean, n = self._yield.get((sampled, arm), (0.0, 0))
-            weight = max(1 - (1 - YIELD_RATE) ** batch_size, batch_size / (n + batch_size))
-            mean += (tokens / batch_size - mean) * weight
-            self._yield[(sampled, arm)] = (mean, n + batch_size)
+            self._observe_yield(batch_size, sampled, arm, tokens)
             total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
             self._lifetime[(sampled, arm)] = (total + tokens, seq_steps + batch_size)
+
+    def observe_counterfactual_yield(self, batch_size: int, sampled: bool, arm: TreeBudget, tokens: int) -> None:
+        """The ``tokens`` drafting ``arm`` would have produced in a step another arm ran over
+        the same ``batch_size`` sequences (a tree step's accepted path through rank-0 children
+        is what the chain would have accepted: ``StepResults.chain_tokens``). Arms compared on
+        the same prompts: at batch 1 every request is another prompt, and a chain run on an
+        easy one once outranked a tree measured on a hard one for a whole request."""
+        if tokens > 0 and arm.speculates:
+            self._observe_yield(batch_size, sampled, arm, tokens)
+
+    def _observe_yield(self, batch_size: int, sampled: bool, arm: TreeBudget, tokens: int) -> None:
+        # A memory of ~50 sequence-steps, each step weighted by its sequences: a batch of 16 is
+        # 16 samples of the yield, and prompts differ (a batch of one easy prompt must not set
+        # the yield a batch of 16 then relies on).
+        mean, n = self._yield.get((sampled, arm), (0.0, 0))
+        weight = max(1 - (1 - YIELD_RATE) ** batch_size, batch_size / (n + batch_size))
+        mean += (tokens / batch_size - mean) * weight
+        self._yield[(sampled, arm)] = (mean, n + batch_size)
 
     def set_predicted_yield(self, sampled: bool, arm: TreeBudget, tokens_per_step: float) -> None:
         """The simulator's expected tokens per sequence per step of drafting ``arm`` (its

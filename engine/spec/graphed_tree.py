@@ -73,6 +73,16 @@ class StepResults:
     def record_acceptance(self, counter: AcceptanceCounter) -> None:
         counter.record_paths(self.num_accepted, self.has_child, self.ranks)
 
+    def chain_tokens(self, depth: int) -> int:
+        """Tokens a chain of ``depth`` drafts would have produced over these sequences: each
+        accepted path's leading run of rank-0 nodes (the chain drafts each depth's best child
+        of the previous best child, the tree's rank 0), at most ``depth``, plus the bonus.
+        Exact when the tree kept that run's nodes; it keeps the best ones by score."""
+        cols = min(depth, self.ranks.shape[1] - 1)
+        first = self.ranks[:, 1 : cols + 1] == 0  # [n, cols] the path node at depth j is rank 0
+        accepted = np.arange(1, cols + 1)[None] <= np.asarray(self.num_accepted)[:, None]
+        return int(np.cumprod(first & accepted, axis=1).sum()) + len(self.num_accepted)
+
 
 _POS, _WIN, _QON, _QOFF, _KEEP = range(5)  # columns of _RowPlan.meta
 

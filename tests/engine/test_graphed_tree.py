@@ -247,6 +247,10 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
     assert set(eng.arm_acceptance) == {(False, arms[0])}
     assert 0 < eng.arm_acceptance[(False, arms[0])].num_steps <= eng.acceptance.num_steps
     assert tree_steps > 0 and eng.acceptance.num_steps > eng.arm_acceptance[(False, arms[0])].num_steps
+    # Tree steps also tell the chain's yield on the same prompts (its leading rank-0 nodes).
+    assert eng.adaptive is not None
+    yield_seen = eng.adaptive.arms._yield[(False, arms[1])][1]
+    assert yield_seen > eng.adaptive.arms._lifetime[(False, arms[1])][1]
     assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
     assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
 

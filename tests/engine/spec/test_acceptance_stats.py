@@ -57,3 +57,22 @@ def test_batch_counts_leave_unreached_depths_out() -> None:
         "depth_reached": [n],
         "depth_rank_accepted": [[n]],
     }
+
+
+def test_a_tree_steps_results_tell_what_the_chain_would_have_yielded() -> None:
+    """The chain drafts each depth's best child of the previous best child: on a tree step its
+    accepted drafts are the accepted path's leading rank-0 nodes (at most its depth)."""
+    import numpy as np
+
+    from engine.spec.graphed_tree import StepResults
+
+    ranks = np.array([
+        [0, 0, 0, 0, 0, 0, 0],  # 5 accepted through rank 0
+        [0, 0, 1, 0, 0, 0, 0],  # rank 1 at depth 2: the chain stops after depth 1
+        [0, 2, 0, 0, 0, 0, 0],  # rank 2 at depth 1: the chain accepts nothing
+        [0, 0, 0, 0, 0, 0, 0],  # nothing accepted (ranks past a are not read)
+    ])  # fmt: skip
+    results = StepResults([[1]] * 4, [5, 3, 2, 0], np.ones_like(ranks, dtype=bool), ranks)
+    assert results.chain_tokens(4) == (4 + 1) + (1 + 1) + (0 + 1) + (0 + 1)
+    assert results.chain_tokens(6) == (5 + 1) + 2 + 1 + 1
+    assert results.chain_tokens(1) == 2 + 2 + 1 + 1

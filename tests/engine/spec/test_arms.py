@@ -434,3 +434,15 @@ def test_an_arm_seen_on_a_few_poor_steps_is_valued_by_the_model() -> None:
 
     assert run(predict=False) == CHAIN
     assert run(predict=True) == TREE
+
+
+def test_counterfactual_yields_move_the_yield_not_the_costs() -> None:
+    """What an arm would have yielded in another arm's step (the chain's share of a tree step's
+    path) counts as evidence of its yield; its step costs and lifetime tokens stay its own."""
+    arms = MeasuredArms()
+    chain = TreeBudget(topk=1, depth=4, num_draft_tokens=4)
+    arms.observe_counterfactual_yield(4, False, chain, 12)  # 3 tokens per sequence
+    assert arms.arm_yield(False, chain) == pytest.approx(3.0)
+    assert arms.mean_yield(False, chain) == 1.0 and not arms.cost_table()
+    arms.observe_counterfactual_yield(1, False, TreeBudget(topk=1, depth=0, num_draft_tokens=0), 1)
+    assert arms.arm_yield(False, TreeBudget(topk=1, depth=0, num_draft_tokens=0)) is None

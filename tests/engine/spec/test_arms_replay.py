@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
+from collections import Counter
 
 import pytest
 
@@ -60,10 +62,13 @@ def _round(arms: MeasuredArms, rng: random.Random, batch: int, tokens: int, ar_f
         left = sum(tokens - done[i] for i in alive) / len(alive)
         arm = arms.choose(len(alive), False, ARMS, lag, left, closed=True)
         step = _step_seconds(arm, len(alive), ar_factor) * rng.uniform(0.95, 1.1)
-        produced = 0
+        produced = chain_would = 0
         mean = arms.mean_yield(False, arm)
         for i in alive:
             n = 1 if not arm.speculates else max(1, round(YIELD[arm] * share[i] + rng.uniform(-1, 1)))
+            # What the chain would have accepted on the same prompt (the engine reads it off a
+            # tree step's path: its leading rank-0 nodes).
+            chain_would += max(1, min(n, round(YIELD[CHAIN] * share[i] + rng.uniform(-1, 1))))
             n = min(n, tokens - done[i])
             done[i] += n
             produced += n
@@ -80,8 +85,37 @@ def _round(arms: MeasuredArms, rng: random.Random, batch: int, tokens: int, ar_f
         elif not arm.speculates:
             lag += len(alive)
         arms.observe(len(alive), False, arm, step, produced)
+        if arm == TREE:
+            arms.observe_counterfactual_yield(len(alive), False, CHAIN, chain_would)
         seconds += step
     return seconds
+
+
+def test_batch_one_keeps_the_tree_when_it_wins_on_every_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch 1 every round is a new prompt, and prompts differ by more than the arms do: a
+    chain explored on an easy prompt once outranked the tree measured on a hard one for a whole
+    request (with the H200's session-13 costs below, the tree at 0.34 ms per token and the chain
+    at 0.49, this replay gave the chain ~10% of the steps). Tree steps also tell what the chain
+    would have yielded on the same prompt, so the chain is only re-run for its step cost."""
+    this = sys.modules[__name__]
+    monkeypatch.setattr(this, "STEP_MS", {NO_SPEC: [(1, 1.19)], TREE: [(1, 1.64)], CHAIN: [(1, 1.48)]})
+    monkeypatch.setattr(this, "YIELD", {TREE: 4.78, CHAIN: 3.03})
+    chosen: Counter[TreeBudget] = Counter()
+    for seed in range(20):
+        rng = random.Random(seed)
+        arms = MeasuredArms()
+        arms.catch_up.calibrate(CALIBRATION)
+        choose = arms.choose
+        monkeypatch.setattr(arms, "choose", lambda *a, choose=choose, **k: _count(chosen, choose(*a, **k)))
+        for r in range(6):  # a 16-token warm-up round, then five of 64
+            _round(arms, rng, 1, 16 if r == 0 else 64, 1.0)
+    total = sum(chosen.values())
+    assert chosen[TREE] > 0.9 * total and chosen[CHAIN] < 0.06 * total, chosen
+
+
+def _count(chosen: Counter[TreeBudget], arm: TreeBudget) -> TreeBudget:
+    chosen[arm] += 1
+    return arm
 
 
 def _sweep(ar_factor: float, seeds: int = 5) -> dict[int, float]:
