@@ -11,11 +11,13 @@ The cheapest arm is used.
 A drafting arm's yield is the simulator's, calibrated by measurement: the engine hands in the
 expected tokens per step of each arm's shape under the live acceptance statistics
 (``set_predicted_yield``: ``engine.simulator.expected_length`` of the optimiser's tree for the
-budget, or of the chain), pooled over every drafting step of every arm, and the arm's own
-measured yield is its evidence: the two are averaged with the prediction counting as
-``YIELD_PRIOR_SEQ_STEPS`` sequence-steps. So an arm run for a few steps (the tree explored at
-batch 1 on one prompt) is valued by the model the optimiser plans with, not by those steps
-alone, and an arm measured over many sequence-steps by what it delivered.
+budget, or of the chain), and the arm's own measured yield is its evidence: the two are
+averaged with the prediction counting as ``YIELD_PRIOR_SEQ_STEPS`` sequence-steps. So an arm
+run for a few steps (the tree explored at batch 1 on one prompt) is valued by the model the
+optimiser plans with, not by those steps alone, and an arm measured over many sequence-steps by
+what it delivered. The chain's measured yield also counts what it would have yielded in the
+tree's steps (``observe_counterfactual_yield``: the accepted path's leading rank-0 nodes), so
+the two are compared on the same prompts.
 
 A bucket where an arm has not run yet extrapolates its step time from the buckets where it has:
 the line through the two nearest (a step costs a fixed part plus a part per sequence; drafting
