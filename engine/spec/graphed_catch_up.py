@@ -160,6 +160,11 @@ class GraphedCatchUp:
         cache.index_fill_(1, self._scratch_index, 0)
 
     # ------------------------------------------------------------------ runs
+    def _staged(self, host: Tensor) -> Tensor:
+        """``host`` in pinned memory when the buffers are on CUDA (PyTorch's host allocator keeps
+        it until the asynchronous copy from it is done), as it is otherwise."""
+        return host.pin_memory() if self.device.type == "cuda" else host
+
     def _shape_for(self, count: int, rows: int) -> tuple[int, int]:
         """The smallest captured shape for ``count`` sequences of at most ``rows`` rows, or the
         largest sequence count of the smallest row bucket that fits (the rest goes next)."""
@@ -201,11 +206,13 @@ class GraphedCatchUp:
         ids += [0] * (R * unused)
         meta += [0, 0] * unused
         tables += [self._pad_table_host] * unused
-        buf.ids.copy_(torch.tensor(ids))
-        buf.meta.copy_(torch.tensor(meta).view(S, 2))
-        buf.tables.copy_(torch.tensor(tables, dtype=torch.int32))
-        dest = torch.tensor(list(itertools.chain.from_iterable(
-            range(i * R, i * R + n) for i, n in enumerate(counts))), device=self.device)  # fmt: skip
+        # Copies from pinned memory do not wait for the device: the previous module's replay
+        # runs while these inputs are built (a copy from pageable memory waits for it first).
+        buf.ids.copy_(self._staged(torch.tensor(ids)), non_blocking=True)
+        buf.meta.copy_(self._staged(torch.tensor(meta).view(S, 2)), non_blocking=True)
+        buf.tables.copy_(self._staged(torch.tensor(tables, dtype=torch.int32)), non_blocking=True)
+        dest = self._staged(torch.tensor(list(itertools.chain.from_iterable(
+            range(i * R, i * R + n) for i, n in enumerate(counts))))).to(self.device, non_blocking=True)  # fmt: skip
         prevs = [prev for _, _, prev in work]
         buf.prev.index_copy_(0, dest, prevs[0] if len(prevs) == 1 else torch.cat(prevs))
         graph = buf.graphs.get(module)
