@@ -155,10 +155,6 @@ class LLMEngine:
         self._hidden_log = HiddenLog()
         self.acceptance = AcceptanceCounter()
         self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
-        # Each captured tree budget's own steps, (sampled, budget) -> counter: the rates of
-        # sibling ranks past the first, which chain steps (rank 0 only) would dilute in the
-        # counters above (adaptive speculation predicts each arm's yield from them).
-        self.arm_acceptance: dict[tuple[bool, TreeBudget], AcceptanceCounter] = {}
         self.last_timings = StepTimings()
         self.static_forward: StaticTargetForward | None = None
         self.graphed_tree: GraphedGreedyTree | None = None
@@ -753,12 +749,12 @@ class LLMEngine:
         results, timing = runner.run(seqs)
         elapsed = time.perf_counter() - t0
         drafted = runner.N
-        results.record_acceptance(self.acceptance)
+        width = runner.budget.topk
+        results.record_acceptance(self.acceptance, width)
         sampled = isinstance(runner, GraphedSampledTree)
         if sampled:
-            results.record_acceptance(self.sampled_acceptance)
-        if self.adaptive is not None and runner.budget.topk > 1:
-            results.record_acceptance(self.arm_acceptance.setdefault((sampled, runner.budget), AcceptanceCounter()))
+            results.record_acceptance(self.sampled_acceptance, width)
+        if self.adaptive is not None and width > 1:
             chain = self.adaptive.chain
             if chain.depth <= runner.D:  # what the chain would have yielded on these prompts
                 self.adaptive.arms.observe_counterfactual_yield(

@@ -45,7 +45,6 @@ from engine.simulator import (
     expected_length,
     optimal_tree,
 )
-from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
@@ -124,12 +123,12 @@ class AdaptiveController:
     def _predict_yields(self, engine: LLMEngine, sampled: bool, arms: list[TreeBudget]) -> None:
         """Hand the captured arms the simulator's yield of each drafting budget under the live
         acceptance statistics (greedy or sampled steps'), re-predicted as they grow by a
-        quarter: the expected length of a chain under the statistics of every drafting step
-        (each measures the rank-0 rates a chain needs), or of the optimiser's tree for the
-        budget under the statistics of that budget's own steps, once it has taken
-        ``MIN_STEPS_FOR_LIVE_STATS`` (the graphed greedy tree picks its nodes by the draft's own
-        probabilities each step, which the optimal fixed shape stands for; the sampled tree
-        drafts that shape).
+        quarter: the expected length of a chain, or of the optimiser's tree for the budget (the
+        graphed greedy tree picks its nodes by the draft's own probabilities each step, which
+        the optimal fixed shape stands for; the sampled tree drafts that shape). The counters
+        pool every arm's steps, each sibling rank's rate over the nodes that offered it (a
+        chain step offers rank 0 only: counted as offering every rank, it had lowered the
+        tree's rates the more the chain ran, the H200's batch 1 giving the chain 20 of 73 steps).
 
         Graphed path only (its arms are fixed at start-up). The host path's tree arm is the
         planner's pick from the same model, re-planned as the statistics grow, so the model is
@@ -140,21 +139,14 @@ class AdaptiveController:
         known = self._predicted_at.get(sampled)
         if steps < MIN_STEPS_FOR_LIVE_STATS or (known is not None and steps < known * PREDICT_GROWTH):
             return
-        pooled = _live_stats(counter)
-        if pooled is None:
+        try:
+            stats = AcceptanceStats.from_dict(counter.snapshot())
+        except ValueError:  # counters not yet usable (e.g. no node ever offered children)
             return
         for arm in arms:
-            if arm.topk == 1:  # a chain: every drafting step measures its rank-0 rates
-                self.arms.set_predicted_yield(sampled, arm, expected_length(TreeShape.chain(arm.depth), pooled))
-                continue
-            # A tree: its own steps' statistics. The pooled ones count each chain step as a
-            # node whose siblings past rank 0 were rejected; mixed in, they lowered the tree's
-            # yield the more steps the chain took (the H200's batch 1 gave it 20 of 73).
-            own = engine.arm_acceptance.get((sampled, arm))
-            stats = _live_stats(own) if own is not None and own.num_steps >= MIN_STEPS_FOR_LIVE_STATS else None
-            if stats is not None:
-                shape = optimal_tree(stats, arm.num_draft_tokens, arm.depth, arm.topk)
-                self.arms.set_predicted_yield(sampled, arm, expected_length(shape, stats))
+            shape = (TreeShape.chain(arm.depth) if arm.topk == 1
+                     else optimal_tree(stats, arm.num_draft_tokens, arm.depth, arm.topk))  # fmt: skip
+            self.arms.set_predicted_yield(sampled, arm, expected_length(shape, stats))
         self._predicted_at[sampled] = steps
 
     def _planned_tree(self, engine: LLMEngine) -> TreeBudget:
@@ -190,14 +182,6 @@ class AdaptiveController:
             return AcceptanceStats.from_dict(snapshot)
         except ValueError:
             return PRIOR
-
-
-def _live_stats(counter: AcceptanceCounter) -> AcceptanceStats | None:
-    """The counter's statistics, None while they are not usable (no node offered children)."""
-    try:
-        return AcceptanceStats.from_dict(counter.snapshot())
-    except ValueError:
-        return None
 
 
 def budget_label(budget: TreeBudget) -> str:

@@ -70,8 +70,10 @@ class StepResults:
     has_child: np.ndarray  # [n, D + 1] the path's node at depth j had children (read for j <= a)
     ranks: np.ndarray  # [n, D + 1] sibling rank of the path's node at depth j (1 <= j <= a)
 
-    def record_acceptance(self, counter: AcceptanceCounter) -> None:
-        counter.record_paths(self.num_accepted, self.has_child, self.ranks)
+    def record_acceptance(self, counter: AcceptanceCounter, width: int) -> None:
+        """Count the step's paths; ``width``: the children a node with children had at most
+        (the budget's top-k; the graphed trees are full to it but for pruned nodes)."""
+        counter.record_paths(self.num_accepted, self.has_child, self.ranks, width)
 
     def chain_tokens(self, depth: int) -> int:
         """Tokens a chain of ``depth`` drafts would have produced over these sequences: each

@@ -20,26 +20,54 @@ def _random_paths(
     return accepted.tolist(), has_child, ranks
 
 
-def _per_path(accepted: list[int], has_child: np.ndarray, ranks: np.ndarray) -> dict[str, object]:
+def _per_path(
+    accepted: list[int], has_child: np.ndarray, ranks: np.ndarray, width: int | None
+) -> dict[str, object]:
     counter = AcceptanceCounter()
     for a, has, rank in zip(accepted, has_child.tolist(), ranks.tolist(), strict=True):
-        counter.record_path([bool(h) for h in has[: a + 1]], rank[1 : a + 1])
+        counter.record_path([bool(h) for h in has[: a + 1]], rank[1 : a + 1], None if width is None else [width] * (a + 1))
     return counter.snapshot()
 
 
+@pytest.mark.parametrize("width", [None, 4])
 @pytest.mark.parametrize("n", [1, VECTORISED_MIN_PATHS - 1, VECTORISED_MIN_PATHS, 64, 257])
-def test_batch_counts_equal_per_path_counts(n: int) -> None:
+def test_batch_counts_equal_per_path_counts(n: int, width: int | None) -> None:
     rng = np.random.default_rng(n)
     counter = AcceptanceCounter()
     expected_steps = []
     for _ in range(5):  # several steps accumulate, lists grow as deeper depths are reached
         accepted, has_child, ranks = _random_paths(rng, n, depth=6, width=4)
-        counter.record_paths(accepted, has_child, ranks)
+        counter.record_paths(accepted, has_child, ranks, width)
         expected_steps.append((accepted, has_child, ranks))
     all_accepted = [a for acc, _, _ in expected_steps for a in acc]
     all_has = np.concatenate([h for _, h, _ in expected_steps])
     all_ranks = np.concatenate([r for _, _, r in expected_steps])
-    assert counter.snapshot() == _per_path(all_accepted, all_has, all_ranks)
+    snapshot = counter.snapshot()
+    assert snapshot == _per_path(all_accepted, all_has, all_ranks, width)
+    assert ("depth_rank_offered" in snapshot) == (width is not None)
+
+
+def test_offered_counts_are_each_ranks_denominator() -> None:
+    """A chain step offers rank 0 only, a top-3 step ranks 0 to 2: each rank's rate is over the
+    nodes that offered it. Accepted rows are padded to the offered ranks; a step that did not say
+    how many children its nodes had drops the offered counts from the snapshot."""
+    from engine.simulator import AcceptanceStats
+
+    counter = AcceptanceCounter()
+    counter.record_path([True, True], [1], [3, 3])  # top-3 tree: rank 1 at depth 1, then rejected
+    counter.record_path([True], [], [3])  # top-3 tree: rejected at depth 1
+    counter.record_path([True, False], [0], [1, 1])  # chain: rank 0 at depth 1, a leaf
+    counter.record_path([True], [], [1])  # chain: rejected at depth 1
+    snapshot = counter.snapshot()
+    assert snapshot == {
+        "num_steps": 4,
+        "depth_reached": [4, 1],
+        "depth_rank_accepted": [[1, 1, 0], [0, 0, 0]],
+        "depth_rank_offered": [[4, 2, 2], [1, 1, 1]],
+    }
+    assert AcceptanceStats.from_dict(snapshot).rank_accept[0] == pytest.approx((1 / 4, 1 / 2, 0.0))
+    counter.record_path([True], [])
+    assert "depth_rank_offered" not in counter.snapshot()
 
 
 def test_batch_counts_leave_unreached_depths_out() -> None:

@@ -31,9 +31,8 @@ def _controller(
     monkeypatch.setattr(adaptive, "calibrate_latency", lambda engine, budget: latency)
     arms = [MAX, CHAIN] if graphed else []
     eng = SimpleNamespace(
-        acceptance=AcceptanceCounter(), arm_acceptance={},
-        graphed_budgets=lambda sampled: [] if sampled else arms,
-    )  # fmt: skip
+        acceptance=AcceptanceCounter(), graphed_budgets=lambda sampled: [] if sampled else arms
+    )
     return eng, AdaptiveController(eng, MAX, CHAIN)  # type: ignore[arg-type]
 
 
@@ -106,18 +105,15 @@ def test_graphed_path_chooses_among_the_captured_budgets_by_measurement(
 def test_the_arms_yields_are_the_simulators_under_the_live_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     """One model of the trade-off: once enough verify steps are counted, each captured budget's
     yield is the simulator's expected length of its shape (the optimiser's tree for the tree
-    budget, under its own steps' statistics; the chain for the chain, under every step's) under
-    the live statistics, re-predicted as they grow."""
+    budget, the chain for the chain) under the live statistics, re-predicted as they grow."""
     from engine.simulator import AcceptanceStats, TreeShape, expected_length, optimal_tree
 
     eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, MAX) is None, "no statistics yet: nothing predicted"
-    tree_steps = eng.arm_acceptance[(False, MAX)] = AcceptanceCounter()
-    for i in range(40):  # the tree's paths, accepted to depth 1..4 through ranks 0 and 1
+    for i in range(40):  # paths accepted to depth 1..4 through ranks 0 and 1
         a = 1 + i % 4
-        for counter in (eng.acceptance, tree_steps):
-            counter.record_path([True] * (a + 1), [i % 2 if d == 0 else 0 for d in range(a)])
+        eng.acceptance.record_path([True] * (a + 1), [i % 2 if d == 0 else 0 for d in range(a)])
     controller.choose(eng, 1)  # type: ignore[arg-type]
     stats = AcceptanceStats.from_dict(eng.acceptance.snapshot())
     tree = expected_length(optimal_tree(stats, MAX.num_draft_tokens, MAX.depth, MAX.topk), stats)
@@ -126,46 +122,49 @@ def test_the_arms_yields_are_the_simulators_under_the_live_statistics(monkeypatc
     assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(chain)
     assert tree > chain > 1.0
     for _ in range(5):  # 45 steps: under a quarter more, the prediction stands
-        for counter in (eng.acceptance, tree_steps):
-            counter.record_path([True], [])
+        eng.acceptance.record_path([True], [])
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, MAX) == pytest.approx(tree)
     for _ in range(20):  # 65 steps: re-predicted (root-only paths lower depth 1's rate)
-        for counter in (eng.acceptance, tree_steps):
-            counter.record_path([True], [])
+        eng.acceptance.record_path([True], [])
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, MAX) < tree
 
 
 def test_chain_steps_do_not_dilute_the_trees_predicted_yield(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chain step offers rank 0 only; counted with the tree's steps it reads as siblings
-    rejected. The tree's yield comes from its own steps, so however many steps the chain takes
-    the tree keeps its prediction, while the chain's follows every step's rank-0 rates."""
-    from engine.simulator import AcceptanceStats, TreeShape, expected_length, optimal_tree
+    """A chain step offers rank 0 only. Counted as offering every rank (the rates' old
+    denominator), its steps read as the tree's siblings rejected and the tree's predicted yield
+    fell the more the chain ran; counted as offering rank 0, chain steps with the tree's rank-0
+    rates leave the tree's prediction where the tree's own steps put it."""
+    from engine.simulator import AcceptanceStats, expected_length, optimal_tree
+
+    def record_tree_steps(counter: AcceptanceCounter) -> None:  # a third accept rank 1 at depth 1
+        for i in range(42):
+            if i % 3 == 0:
+                counter.record_path([True, True], [1], [MAX.topk] * 2)
+            else:
+                counter.record_path([True] * 4, [0, 0, 0], [MAX.topk] * 4)
+
+    def tree_yield(stats: AcceptanceStats) -> float:
+        return expected_length(optimal_tree(stats, MAX.num_draft_tokens, MAX.depth, MAX.topk), stats)
 
     eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
-    tree_steps = eng.arm_acceptance[(False, MAX)] = AcceptanceCounter()
-    for i in range(42):  # tree steps: a third accept depth 1 through rank 1 (rank 0 rejected)
-        for counter in (eng.acceptance, tree_steps):
-            if i % 3 == 0:
-                counter.record_path([True, True], [1])
-            else:
-                counter.record_path([True] * 4, [0, 0, 0])
-    controller.choose(eng, 1)  # type: ignore[arg-type]
-    own = AcceptanceStats.from_dict(tree_steps.snapshot())
-    tree = expected_length(optimal_tree(own, MAX.num_draft_tokens, MAX.depth, MAX.topk), own)
-    assert controller.arms.arm_yield(False, MAX) == pytest.approx(tree)
-    for i in range(60):  # chain steps with the same rank-0 outcomes: no rank 1 to fall back to
-        if i % 3 == 0:
-            eng.acceptance.record_path([True], [])
+    tree_only = AcceptanceCounter()
+    record_tree_steps(tree_only)
+    record_tree_steps(eng.acceptance)
+    for i in range(90):  # chain steps with the tree's rank-0 rates at every depth (2/3, 2/3, 1, 0)
+        if i % 9 < 3:
+            eng.acceptance.record_path([True], [], [1])
+        elif i % 9 < 5:
+            eng.acceptance.record_path([True, True], [0], [1, 1])
         else:
-            eng.acceptance.record_path([True] * 4, [0, 0, 0])
+            eng.acceptance.record_path([True] * 4, [0, 0, 0], [1] * 4)
     controller.choose(eng, 1)  # type: ignore[arg-type]
-    assert controller.arms.arm_yield(False, MAX) == pytest.approx(tree)
-    pooled = AcceptanceStats.from_dict(eng.acceptance.snapshot())
-    diluted = expected_length(optimal_tree(pooled, MAX.num_draft_tokens, MAX.depth, MAX.topk), pooled)
-    assert diluted < tree, "what the pooled counters would have predicted"
-    assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(expected_length(TreeShape.chain(CHAIN.depth), pooled))
+    own = tree_yield(AcceptanceStats.from_dict(tree_only.snapshot()))
+    assert controller.arms.arm_yield(False, MAX) == pytest.approx(own)
+    snap = eng.acceptance.snapshot()
+    old_denominators = AcceptanceStats.from_counts(snap["depth_rank_accepted"], snap["depth_reached"])  # type: ignore[arg-type]
+    assert tree_yield(old_denominators) < own - 0.1, "what the chain steps did to the tree before"
 
 
 def test_the_host_path_leaves_the_model_to_its_planned_tree(monkeypatch: pytest.MonkeyPatch) -> None:
