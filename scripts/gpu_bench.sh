@@ -4,7 +4,8 @@
 #   scripts/gpu_bench.sh RESULTS_DIR [MODEL_DIR]
 #
 # 1. trains the `gpu` preset model into MODEL_DIR unless it already holds one (200 s, ~4 minutes in all);
-# 2. runs `mtpserve bench offline` on CUDA in bf16 (greedy check in float32 first), with a time
+# 2. runs the GPU kernel tests (tests/engine/kernels/test_gpu_kernels.py, into
+#    gpu_kernel_tests.log; GPU_TESTS=0 skips them), then `mtpserve bench offline` on CUDA in bf16 (greedy check in float32 first), with a time
 #    limit so the whole script ends in time: points not started in time are listed as skipped;
 # 3. writes into RESULTS_DIR: <device>-<date>.json, .md, a few PNGs (if matplotlib is
 #    installed; otherwise run `mtpserve bench report FILE.json` elsewhere) and gpu_bench.log;
@@ -43,6 +44,14 @@ if [ ! -f "$MODEL/config.json" ]; then
     rm -rf "$MODEL" "$MODEL.work"
     "$PY" -m train --preset gpu --out "$MODEL" --work-dir "$MODEL.work" \
         --time-budget-s "${TRAIN_BUDGET_S:-200}"
+fi
+# The Triton kernels against their PyTorch references on this GPU (tests/engine/kernels), before
+# anything is timed; GPU_TESTS=0 skips them.
+if [ "${GPU_TESTS:-1}" = 1 ] && "$PY" -c 'import pytest' 2>/dev/null; then
+    echo "== GPU kernel tests"
+    timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/engine/kernels/test_gpu_kernels.py \
+        > "$OUT/gpu_kernel_tests.log" 2>&1 || echo "== GPU kernel tests exited with status $?"
+    tail -1 "$OUT/gpu_kernel_tests.log"
 fi
 ELAPSED=$(( $(date +%s) - START ))
 # The limit counts from the start of the sweep (model load and float32 check included); leave
