@@ -27,7 +27,7 @@ from bench.floor import measure_rates, step_floor
 from bench.meta import run_metadata
 from bench.modes import build_modes
 from bench.prompts import batch_of, load_prompts
-from bench.records import add_costs, add_speedups, empty_record, make_record
+from bench.records import add_costs, add_speedups, calibration_rows, empty_record, make_record
 from engine.model.loader import parse_dtype
 
 
@@ -239,6 +239,9 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
         # Each engine's build (the weights are loaded once, before): seconds per stage.
         "startup_s": {c.mode.label: {k: round(v, 3) for k, v in c.engine.startup_seconds.items()}
                       for c in contenders if c.engine is not None},  # fmt: skip
+        # Adaptive engines' start-up calibration: each captured arm's step at each batch size.
+        "arm_calibration": {c.mode.label: calibration_rows(c.engine) for c in contenders
+                            if c.engine is not None and calibration_rows(c.engine)},  # fmt: skip
         "runs": records,
         "wall_s": round(time.monotonic() - t_start, 1),
         "loadavg_end": list(os.getloadavg()),

@@ -101,3 +101,16 @@ def add_costs(records: list[dict[str, Any]], price_per_hour: float) -> None:
 def cost_per_million(tokens_per_s: float, price_per_hour: float) -> float:
     """Dollars per 1e6 output tokens for a device rented at ``price_per_hour``."""
     return price_per_hour / (tokens_per_s * 3600.0) * 1e6
+
+
+def calibration_rows(engine: Any) -> list[dict[str, Any]]:
+    """An adaptive engine's start-up calibration (``engine.spec.arm_calibration``) as records:
+    arm, batch size, greedy or sampled, step ms and verify tokens; empty where it did not run."""
+    from engine.spec.adaptive import budget_label
+
+    adaptive = getattr(engine, "adaptive", None)
+    return [
+        {"arm": budget_label(t.arm), "batch_size": t.batch_size, "sampled": t.sampled,
+         "step_ms": round(t.seconds * 1000, 4), "verify_tokens": t.verify_tokens}
+        for t in (adaptive.calibration if adaptive is not None else [])
+    ]  # fmt: skip

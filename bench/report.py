@@ -134,6 +134,10 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
             for label, stages in startup.items():
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
                 out.append(f"- {label}: {sum(stages.values()):.2f} s ({parts})")
+        for label, rows in (doc.get("arm_calibration") or {}).items():
+            out += ["", f"{label}: start-up calibration of each captured decode step (ms per step, "
+                    "host work included; verify tokens = batch x tree nodes):", ""]
+            out += calibration_table(rows)
         out += ["", "## Offline engine sweep", ""]
         if doc.get("device_rates"):
             rates = doc["device_rates"]
@@ -164,3 +168,18 @@ def write_report(json_path: Path) -> tuple[Path, list[Path]]:
     md = json_path.with_suffix(".md")
     md.write_text(render(doc, plots))
     return md, plots
+
+
+def calibration_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Step ms per arm (columns) and batch size (rows), greedy and sampled apart."""
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    out = ["| T | batch | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+    keys = sorted({(bool(r["sampled"]), int(r["batch_size"])) for r in rows})
+    for sampled, batch in keys:
+        cells = []
+        for arm in arms:
+            hit = [r for r in rows if r["arm"] == arm and bool(r["sampled"]) == sampled
+                   and r["batch_size"] == batch]  # fmt: skip
+            cells.append(f"{hit[0]['step_ms']:.2f} ({hit[0]['verify_tokens']})" if hit else "-")
+        out.append(f"| {'1' if sampled else '0'} | {batch} | " + " | ".join(cells) + " |")
+    return out

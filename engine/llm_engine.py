@@ -222,6 +222,13 @@ class LLMEngine:
         self._sessions: dict[str, Sequence] = {}
         self._zero_events: deque[ZeroEvent] = deque(maxlen=MAX_ZERO_EVENTS)
         self._arrivals = itertools.count()
+        calibrate = engine_config.calibrate_arms
+        if calibrate is None:
+            calibrate = device.type == "cuda"
+        if self.adaptive is not None and calibrate and self._graphed_runners:
+            # Every captured arm's step time at every batch bucket (engine.spec.arm_calibration).
+            with timer.stage("arm_calibration"):
+                self.adaptive.calibrate_arms(self)
 
     def _build_graphed(self, budget: TreeBudget, max_blocks: int) -> list[GraphedTreeStep]:
         """The greedy and the sampled device-resident steps of ``budget``."""
@@ -409,6 +416,24 @@ class LLMEngine:
         if self.drafter is not None and self.drafter.static_catch_up is not None:
             blocks += self.drafter.static_catch_up.scratch
         return blocks
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The running or waiting request ``request_id``'s sequence (None: unknown or done)."""
+        return self._requests.get(request_id)
+
+    def reset_statistics(self) -> None:
+        """Forget what served requests taught the engine's counters: acceptance statistics, the
+        drafting-step clock, zeroing records (after the start-up calibration's scratch requests,
+        whose random prompts say nothing of real ones)."""
+        self._hidden_log.flush()
+        self.acceptance = AcceptanceCounter()
+        self.sampled_acceptance = AcceptanceCounter()
+        self.last_timings = StepTimings()
+        self.last_decode_budget = None
+        self._summary = None
+        self._yield_clock = (0, 0.0)
+        self._steps_since_arrival = 0
+        self._zero_events.clear()
 
     def drain_zero_events(self) -> list[ZeroEvent]:
         """Zeroing records since the last call (the newest ``MAX_ZERO_EVENTS`` of them)."""

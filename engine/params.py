@@ -117,6 +117,9 @@ class EngineConfig:
     # Static-shape target forward: None = CUDA graphs on CUDA, off on CPU; True forces the
     # padded static path everywhere (graphs only on CUDA); False turns it off.
     cuda_graphs: bool | None = None
+    # Adaptive speculation on the graphed path: time every captured arm at every batch bucket at
+    # start-up (engine.spec.arm_calibration). None: on CUDA, off on CPU (tests turn it on).
+    calibrate_arms: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

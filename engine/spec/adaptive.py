@@ -9,7 +9,9 @@ cost is measured whole, host work included, which no latency model of forwards c
 The arms:
 
 * **graphed path** (GPU, and CPU with ``cuda_graphs=True``): the budgets the engine captured
-  device steps for — its tree (the optimiser's default shape) and a chain;
+  device steps for — its tree (the optimiser's default shape) and a chain — each one's step
+  time at every batch bucket calibrated at start-up on a GPU (``calibrate_arms``:
+  ``engine.spec.arm_calibration``);
 * **host-driven path** (CPU): a chain, and the tree the simulator's planner
   (``engine.simulator.SpeculationPlanner``) finds best at batch 1 for the acceptance statistics
   measured so far (a conservative prior until enough verify steps were seen) and a latency
@@ -45,6 +47,7 @@ from engine.simulator import (
     expected_length,
     optimal_tree,
 )
+from engine.spec.arm_calibration import ArmTiming, calibrate_arms
 from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
@@ -74,6 +77,27 @@ class AdaptiveController:
         self.steps_per_arm: Counter[TreeBudget] = Counter()  # decode steps per chosen budget
         # sampled -> verify steps counted when the captured arms' yields were last predicted.
         self._predicted_at: dict[bool, int] = {}
+        # An arm every step takes while set (start-up calibration: ``engine.spec.arm_calibration``).
+        self.forced: TreeBudget | None = None
+        # The graphed arms' step times calibrated at start-up (empty: not calibrated).
+        self.calibration: list[ArmTiming] = []
+
+    def calibrate_arms(self, engine: LLMEngine) -> None:
+        """Time every captured arm at every batch bucket now (``engine.spec.arm_calibration``)
+        and start from those step times: no run of an arm is needed to learn what a step of it
+        costs, only one to learn its yield (``MeasuredArms.choose``), where its catch-up fits."""
+        self.calibration = calibrate_arms(engine, NO_SPEC)
+        for t in self.calibration:
+            self.arms.seed_cost(t.batch_size, t.sampled, t.arm, t.seconds)
+
+    def reset_measurements(self) -> None:
+        """Forget the step costs, yields and choices measured so far (the catch-up cost stays:
+        it was calibrated, and catch-ups are the same work whatever prompt they run over)."""
+        catch_up = self.arms.catch_up
+        self.arms = MeasuredArms(self.arms.explore_every)
+        self.arms.catch_up = catch_up
+        self.steps_per_arm.clear()
+        self._predicted_at.clear()
 
     def calibrate_if_planning(self, engine: LLMEngine) -> None:
         """Time the latency model now when this engine plans host-path trees (no captured
@@ -106,6 +130,8 @@ class AdaptiveController:
         ``tokens_left``: tokens each sequence may still generate, on average; ``filling``:
         requests are being admitted into the batch; ``closed``: none waits or is in prefill
         (``MeasuredArms.choose``)."""
+        if self.forced is not None:
+            return self.forced
         arms = self._graphed_arms.get(sampled)
         if arms is None:
             arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
@@ -144,10 +170,15 @@ class AdaptiveController:
         except ValueError:  # counters not yet usable (e.g. no node ever offered children)
             return
         for arm in arms:
-            shape = (TreeShape.chain(arm.depth) if arm.topk == 1
-                     else optimal_tree(stats, arm.num_draft_tokens, arm.depth, arm.topk))  # fmt: skip
-            self.arms.set_predicted_yield(sampled, arm, expected_length(shape, stats))
+            self.arms.set_predicted_yield(sampled, arm, expected_length(self._shape(arm, stats), stats))
         self._predicted_at[sampled] = steps
+
+    @staticmethod
+    def _shape(arm: TreeBudget, stats: AcceptanceStats) -> TreeShape:
+        """The shape a captured arm stands for: a chain, or the optimiser's tree for its budget."""
+        if arm.topk == 1:
+            return TreeShape.chain(arm.depth)
+        return optimal_tree(stats, arm.num_draft_tokens, arm.depth, arm.topk)
 
     def _planned_tree(self, engine: LLMEngine) -> TreeBudget:
         """The planner's best tree at batch 1, re-planned at 32, 64, 128, ... verified

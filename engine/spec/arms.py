@@ -8,6 +8,12 @@ sequence the budget yields (pooled over buckets, each step weighted by its seque
 bucket's few steps measure a yield poorly, one prompt's steps stand for one prompt).
 The cheapest arm is used.
 
+On a GPU every arm's step time at every batch bucket is calibrated at start-up
+(``engine.spec.arm_calibration``, ``seed_cost``): the latency model of the verify step as a
+function of its tokens, counted as a few measured steps that the steps served then refine. So
+no exploring run is needed to learn what a step costs at a batch size, only one per drafting
+arm to learn its yield (below), where its catch-up fits the requests' horizon.
+
 A drafting arm's yield is the simulator's, calibrated by measurement: the engine hands in the
 expected tokens per step of each arm's shape under the live acceptance statistics
 (``set_predicted_yield``: ``engine.simulator.expected_length`` of the optimiser's tree for the
@@ -174,6 +180,17 @@ class MeasuredArms:
             self._observe_yield(batch_size, sampled, arm, tokens)
             total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
             self._lifetime[(sampled, arm)] = (total + tokens, seq_steps + batch_size)
+
+    def seed_cost(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float) -> None:
+        """A step time calibrated at start-up (``engine.spec.arm_calibration``): ``arm``'s cost in
+        this batch's bucket before any step of it ran there, counted as ``MIN_MEASURED`` steps
+        (the steps served refine it). Its yield is left to the acceptance statistics: an arm
+        with a seeded cost but no measured yield is run once soon (``choose``)."""
+        if not seconds > 0.0:
+            raise ValueError(f"a calibrated step time is positive, got {seconds}")
+        self._bucket(batch_size.bit_length(), sampled).costs[arm] = StepCost(
+            seconds, float(batch_size), float(batch_size), MIN_MEASURED, seconds, seconds / batch_size
+        )
 
     def observe_counterfactual_yield(self, batch_size: int, sampled: bool, arm: TreeBudget, tokens: int) -> None:
         """The ``tokens`` drafting ``arm`` would have produced in a step another arm ran over
@@ -377,6 +394,11 @@ class MeasuredArms:
             share: float | None = None  # of the horizon a run's catch-up may take
             if est is None:  # never measured at any batch size: learn it now
                 interval = 1.0
+            elif arm.speculates and (sampled, arm) not in self._yield:
+                # Its step time calibrated at start-up, its yield never measured: learn it soon,
+                # if a run's catch-up fits the horizon (below; the yield found at one batch size
+                # serves all).
+                interval, share = 1.0, EXPLORE_SHARE_NEW
             elif (not est.measured
                     and self._worth_measuring(target, sampled, arm, est, arms[0], chosen_cost)
                     and (est.source > target or pays(arm))):

@@ -100,3 +100,18 @@ def test_time_limit_skips_and_says_so(dense_model_dir: Path) -> None:
     assert ok and doc["check"]["chain"]["match"]  # the check runs before any time limit
     assert len(doc["runs"]) == 4
     assert all(r["skipped"].startswith("time limit") and r["tokens_per_s"] is None for r in doc["runs"])
+
+
+def test_report_shows_the_start_up_calibration(offline_result: tuple[int, dict, Path], tmp_path: Path) -> None:
+    """An adaptive engine on the graphed path (a GPU) times each captured step at start-up; the
+    report tabulates it per batch size, the step's verify tokens beside each time."""
+    _, doc, _ = offline_result
+    rows = [{"arm": arm, "batch_size": b, "sampled": False, "step_ms": ms * b, "verify_tokens": b * n}
+            for arm, ms, n in (("none", 1.2, 1), ("chain-4", 1.5, 5)) for b in (1, 256)]  # fmt: skip
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({**doc, "arm_calibration": {"adaptive": rows}}))
+    assert main(["report", str(path)]) == 0
+    md = path.with_suffix(".md").read_text()
+    assert "adaptive: start-up calibration" in md
+    assert "| T | batch | none | chain-4 |" in md
+    assert "| 0 | 256 | 307.20 (256) | 384.00 (1280) |" in md

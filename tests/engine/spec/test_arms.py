@@ -446,3 +446,58 @@ def test_counterfactual_yields_move_the_yield_not_the_costs() -> None:
     assert arms.mean_yield(False, chain) == 1.0 and not arms.cost_table()
     arms.observe_counterfactual_yield(1, False, TreeBudget(topk=1, depth=0, num_draft_tokens=0), 1)
     assert arms.arm_yield(False, TreeBudget(topk=1, depth=0, num_draft_tokens=0)) is None
+
+
+def _seeded(batches: tuple[int, ...], step_ms: dict[TreeBudget, tuple[float, float]]) -> MeasuredArms:
+    """Arms whose step times were calibrated at start-up: ``step_ms[arm]`` = (ms at batch 1,
+    ms per further sequence); no yield known yet."""
+    arms = MeasuredArms(explore_every=16)
+    for b in batches:
+        for arm, (fixed, per_seq) in step_ms.items():
+            arms.seed_cost(b, False, arm, (fixed + per_seq * (b - 1)) / 1000)
+    return arms
+
+
+CALIBRATED = {NO_SPEC: (1.2, 0.01), CHAIN: (1.5, 0.025), TREE: (1.65, 0.05)}  # the H200's shape
+
+
+def test_calibrated_step_times_need_no_run_to_be_known_at_any_batch_size() -> None:
+    """Seeded costs count as measured in their bucket: the estimate at batch 256 is the
+    calibration's, not a line drawn out from the smaller batches the requests ran at."""
+    arms = _seeded((1, 4, 16, 64, 256), CALIBRATED)
+    for arm in ARMS:
+        est = arms.estimate(9, False, arm)
+        assert est is not None and est.measured and est.source == 9
+        assert est.step == pytest.approx((CALIBRATED[arm][0] + 255 * CALIBRATED[arm][1]) / 1000)
+    with pytest.raises(ValueError, match="positive"):
+        arms.seed_cost(1, False, TREE, 0.0)
+
+
+def test_a_calibrated_arm_is_run_once_soon_to_learn_its_yield() -> None:
+    """At batch 1 the drafting arms' yields are unknown until they ran (a calibrated step counts
+    one token per sequence): each is run within the first steps (its yield learnt once serves
+    every batch size), then the cheapest stays."""
+    arms = _seeded((1,), CALIBRATED)
+    costs = {NO_SPEC: (0.0012, 1), CHAIN: (0.0015, 3), TREE: (0.00165, 5)}
+    chosen = _drive_batch_1(arms, costs, 60)
+    assert CHAIN in chosen[:8] and TREE in chosen[:8]
+    assert chosen[20:].count(TREE) >= 0.85 * len(chosen[20:])
+
+
+def _drive_batch_1(arms: MeasuredArms, costs: dict[TreeBudget, tuple[float, int]], steps: int) -> list[TreeBudget]:
+    chosen = []
+    for _ in range(steps):
+        arm = arms.choose(1, False, ARMS, 0, tokens_left=200)
+        arms.observe(1, False, arm, *costs[arm])
+        chosen.append(arm)
+    return chosen
+
+
+def test_no_run_to_learn_a_yield_whose_catch_up_the_horizon_cannot_pay() -> None:
+    """A batch of 256 prompts decoded autoregressively: catching the modules up over their rows
+    (50 ms) to learn a drafting arm's yield does not fit the share of the 64 tokens left that a
+    run may take, so none is run; autoregressive decoding carries every step."""
+    arms = _seeded((256,), CALIBRATED)
+    arms.catch_up.observe(16384, 0.05)
+    chosen = [arms.choose(256, False, ARMS, 16384, tokens_left=64) for _ in range(40)]
+    assert chosen == [NO_SPEC] * 40

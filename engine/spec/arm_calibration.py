@@ -1,0 +1,141 @@
+"""Start-up calibration of the graphed path's arms: every captured decode step timed at every
+batch bucket, before the first request.
+
+Adaptive speculation chooses per step among the captured budgets ("arms": no speculation, a
+chain, the tree) by their cost per emitted token (``engine.spec.arms``). A step's cost is a
+CUDA-graph replay plus host work, which hardly varies with what is decoded; so it is measured
+here once, on the engine's own decode path, for each arm at each batch size the graphs were
+captured for (1, 2, 4, ... up to the batch limit and what the KV pool holds): the latency model
+of the verify step as a function of its total tokens (batch x tree nodes). Without it each arm's
+cost at each batch size was learnt online, by exploring runs that each paid an MTP catch-up
+(at batch 256: 31 of 298 steps, several catch-ups of 256 prompts, what kept adaptive
+speculation below autoregressive decoding there).
+
+How: scratch requests (random prompts, EOS ignored) are admitted as one batch, prefilled, and
+decoded a few steps with each arm forced (``AdaptiveController.forced``); the median of the
+steady steps is the arm's step time (the first steps of an arm catch the MTP modules up, or
+capture a graph variant, and are not timed). Greedy and sampled steps are timed separately (the
+sampled tree runs its own graphs). The engine is left as it was: the requests aborted (their
+blocks zeroed), the acceptance counters and adaptive state reset. Only step times are kept:
+what random prompts yield says nothing of real ones. An arm's yield is learnt by running it
+(``MeasuredArms.choose`` runs each drafting arm once early, where its catch-up fits the
+requests' horizon) and predicted from the live acceptance statistics.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.params import SamplingParams
+from engine.spec.drafter import TreeBudget
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+PROMPT_TOKENS = 8  # per scratch request: the prefill is not what is timed
+WARM_STEPS = 2  # per arm before timing: a catch-up after the previous arm, a graph variant
+TIMED_STEPS = 4  # per arm: the median is its step time
+
+
+@dataclass(frozen=True)
+class ArmTiming:
+    """One arm's decode step at one batch size, as calibrated."""
+
+    batch_size: int
+    sampled: bool
+    arm: TreeBudget
+    seconds: float  # median steady step, host work included
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens the step's target forward verifies: the batch times the tree's nodes."""
+        return self.batch_size * (self.arm.num_draft_tokens + 1)
+
+
+def calibration_batch_sizes(engine: LLMEngine, arms: list[TreeBudget], max_new: int) -> list[int]:
+    """Powers of two up to the batch limit whose scratch requests the KV pool holds."""
+    per_request = engine.scheduler.blocks_for(PROMPT_TOKENS + max_new)
+    sizes, b = [], 1
+    while b <= engine.config.max_batch_size and b * per_request <= engine.pool.num_free:
+        sizes.append(b)
+        b *= 2
+    return sizes
+
+
+@torch.inference_mode()
+def calibrate_arms(engine: LLMEngine, no_spec: TreeBudget, seed: int = 0) -> list[ArmTiming]:
+    """Time every captured arm and ``no_spec`` (the autoregressive step) at every calibration
+    batch size, greedy and sampled; leaves the engine as it found it. Empty without an adaptive
+    controller or captured arms."""
+    if engine.adaptive is None:
+        return []
+    gen = torch.Generator().manual_seed(seed)
+    timings: list[ArmTiming] = []
+    for sampled in (False, True):
+        arms = engine.graphed_budgets(sampled)
+        if not arms:
+            continue
+        arms = [no_spec, *arms]
+        # Tokens a request may need: every arm's steps at its deepest path, plus slack.
+        max_new = sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms) + 8
+        params = SamplingParams(max_tokens=max_new, ignore_eos=True,
+                                temperature=1.0 if sampled else 0.0, seed=seed)  # fmt: skip
+        for batch in calibration_batch_sizes(engine, arms, max_new):
+            timings += _time_batch(engine, arms, batch, sampled, params, gen)
+    _reset(engine)
+    return timings
+
+
+def _time_batch(
+    engine: LLMEngine, arms: list[TreeBudget], batch: int, sampled: bool, params: SamplingParams,
+    gen: torch.Generator,
+) -> list[ArmTiming]:
+    adaptive = engine.adaptive
+    assert adaptive is not None
+    vocab = engine.model_config.vocab_size
+    ids = [f"arm-calibration-{int(sampled)}-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist(), params)
+    timings = []
+    try:
+        adaptive.forced = arms[0]
+        while engine.num_waiting or any(_in_prefill(engine, rid) for rid in ids):
+            engine.step()
+        for arm in arms:
+            adaptive.forced = arm
+            steps = []
+            for i in range(WARM_STEPS + TIMED_STEPS):
+                engine.wait_for_device()
+                start = time.perf_counter()
+                engine.step()  # a decode step ends on a read of its results
+                engine.wait_for_device()
+                if i >= WARM_STEPS:
+                    steps.append(time.perf_counter() - start)
+            if engine.num_running != batch:
+                raise RuntimeError(f"arm calibration: the batch of {batch} shrank while timing")
+            timings.append(ArmTiming(batch, sampled, arm, statistics.median(steps)))
+    finally:
+        adaptive.forced = None
+        for rid in ids:
+            engine.abort_request(rid)
+    return timings
+
+
+def _in_prefill(engine: LLMEngine, request_id: str) -> bool:
+    seq = engine.sequence(request_id)
+    if seq is None:
+        raise RuntimeError(f"arm calibration: scratch request {request_id} ended in its prefill")
+    return seq.in_prefill
+
+
+def _reset(engine: LLMEngine) -> None:
+    """Forget what the scratch requests left in the engine's statistics."""
+    adaptive = engine.adaptive
+    assert adaptive is not None
+    adaptive.reset_measurements()
+    engine.reset_statistics()

@@ -1,0 +1,76 @@
+"""engine/spec/arm_calibration.py: every captured arm timed at every batch bucket at start-up,
+on the engine's own decode path (the graphed path runs eagerly on CPU), the engine left as it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.spec.adaptive import NO_SPEC
+
+CONFIG = EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def calibrated(small_vocab_dir: Path) -> LLMEngine:
+    return LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=CONFIG)
+
+
+def test_every_captured_arm_is_timed_at_every_batch_bucket(calibrated: LLMEngine) -> None:
+    eng = calibrated
+    assert eng.adaptive is not None and "arm_calibration" in eng.startup_seconds
+    timings = eng.adaptive.calibration
+    for sampled in (False, True):
+        arms = {NO_SPEC, *eng.graphed_budgets(sampled)}
+        assert len(arms) == 3  # no speculation, the tree, the chain
+        for batch in (1, 2, 4):
+            timed = [t for t in timings if t.sampled == sampled and t.batch_size == batch]
+            assert {t.arm for t in timed} == arms
+            assert all(t.seconds > 0 for t in timed)
+            tree = max(timed, key=lambda t: t.arm.num_draft_tokens)
+            assert tree.verify_tokens == batch * (tree.arm.num_draft_tokens + 1)
+    # What a choice starts from: each arm's cost measured in its own bucket (its yield is
+    # learnt by running it: what random prompts yield says nothing of real ones).
+    arms = eng.adaptive.arms
+    for sampled in (False, True):
+        for arm in eng.graphed_budgets(sampled):
+            assert arms.arm_yield(sampled, arm) is None
+            for bucket in (1, 2, 3):
+                est = arms.estimate(bucket, sampled, arm)
+                assert est is not None and est.measured
+
+
+def test_the_engine_is_left_as_it_was(calibrated: LLMEngine) -> None:
+    """The scratch requests are gone, their blocks freed and zeroed (the whole cache is zero),
+    and nothing they did is counted: acceptance, choices, zeroing records."""
+    eng = calibrated
+    assert not eng.has_unfinished_requests() and eng.num_running == 0
+    assert eng.kv_blocks_used == len(set(eng.static_scratch_blocks))
+    assert not eng.pool.kv_cache.any()
+    assert eng.acceptance.num_steps == 0 and eng.sampled_acceptance.num_steps == 0
+    assert eng.adaptive is not None and not eng.adaptive.steps_per_arm
+    assert eng.adaptive.forced is None
+    assert eng.drain_zero_events() == []
+
+
+def test_greedy_output_after_calibration_is_autoregressive_decoding(
+    calibrated: LLMEngine, small_vocab_dir: Path
+) -> None:
+    ar = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 6, (n,), generator=gen).tolist() for n in (3, 9, 5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in calibrated.generate(prompts, params)]
+    want = [o.token_ids for o in ar.generate(prompts, params)]
+    assert got == want
+    assert calibrated.adaptive is not None and calibrated.adaptive.steps_per_arm  # it chose arms
+
+
+def test_off_by_default_on_cpu(small_vocab_dir: Path) -> None:
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
+                                    engine_config=EngineConfig(cuda_graphs=True, max_batch_size=2))  # fmt: skip
+    assert eng.adaptive is not None and eng.adaptive.calibration == []
+    assert "arm_calibration" not in eng.startup_seconds
