@@ -7,13 +7,17 @@ single pending token while decoding).
 MTP state: module d (1-based) has KV entries for hidden indices ``0 .. mtp_committed[d-1] - 1``.
 Its row at hidden index t consumes the depth-(d-1) hidden state at t and token ``x_{t+d}``.
 ``pending_hidden[d]`` holds depth-d hidden states (d = 0: the target's) that module d+1 has not
-consumed yet, starting at hidden index ``pending_start[d]``.
+consumed yet, starting at hidden index ``pending_start[d]``. After a graphed speculative step
+the rows are ``deferred``: they stay in the step's output tensors until something reads or
+changes the queue (every access goes through ``hidden_rows`` / ``take_hidden`` /
+``push_hidden``), so a step over the same batch hands out no per-sequence tensor views.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -21,6 +25,14 @@ from engine.outputs import SpecStats
 from engine.params import SamplingParams
 
 MAX_HIDDEN_TAIL = 256  # appended row groups kept apart before they are concatenated
+
+
+class DeferredHidden(Protocol):
+    """Where a sequence's pending MTP rows stay until read (a graphed step's outputs)."""
+
+    def hidden_of(self, index: int) -> list[torch.Tensor]:
+        """Sequence ``index``'s pending rows per depth 0..k-1 (``pending_hidden``'s entries)."""
+        ...
 
 
 class SeqStatus(enum.Enum):
@@ -52,6 +64,8 @@ class Sequence:
     # Adaptive speculation: the engine's drafting-step clock (steps, summed mean yields) and this
     # sequence's accepted tokens when it started decoding (``LLMEngine._observe_yield``).
     yield_clock: tuple[int, float, int] | None = None
+    # (source, index): ``pending_hidden`` is ``source.hidden_of(index)``, not yet handed out.
+    deferred: tuple[DeferredHidden, int] | None = None
 
     def __post_init__(self) -> None:
         k = self.num_mtp_modules
@@ -82,6 +96,15 @@ class Sequence:
         """Rows were appended since the queue was last read (``hidden_rows`` folds them in)."""
         return any(self._hidden_tail)
 
+    def _undefer(self) -> None:
+        """Hand out the deferred rows (``deferred``) as ``pending_hidden``'s entries."""
+        if self.deferred is not None:
+            source, index = self.deferred
+            self.deferred = None
+            self.pending_hidden[:] = source.hidden_of(index)  # the whole queue of every depth
+            for tail in self._hidden_tail:
+                tail.clear()
+
     def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:
         """Append depth-``depth`` hidden rows [n, H] for hidden indices start .. start+n-1.
 
@@ -90,6 +113,7 @@ class Sequence:
         append per sequence at all: ``engine.spec.hidden_log``.)"""
         if depth >= self.num_mtp_modules:
             return  # the last module's outputs feed nobody
+        self._undefer()
         tail = self._hidden_tail[depth]
         if not tail:
             current = self.pending_hidden[depth]
@@ -106,6 +130,7 @@ class Sequence:
 
     def hidden_rows(self, depth: int) -> torch.Tensor | None:
         """Depth-``depth`` rows module ``depth + 1`` has not consumed yet (from ``pending_start``)."""
+        self._undefer()
         tail = self._hidden_tail[depth]
         if tail:
             current = self.pending_hidden[depth]

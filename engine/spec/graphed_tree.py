@@ -33,8 +33,7 @@ On CPU (``use_graphs=False``) the same code runs eagerly, which is how it is tes
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from operator import is_
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -188,40 +187,40 @@ class _RowPlan:
 
 @dataclass
 class _SteadyRows:
-    """What one step's ``_finish`` handed its sequences: ``rows[i]`` (a view of ``next_rows``
-    [n, P, H], the first ``a + 1`` rows of sequence ``i``) became its ``pending_hidden[0]`` and
-    ``carry[i]`` (views of ``next_carry`` [n, k - 1, H]) its ``pending_hidden[1:k]``;
+    """What one step's ``_finish`` left its sequences: their pending MTP rows, deferred to this
+    object (``Sequence.deferred`` is ``refs[i]``; ``hidden_of``: the first ``a_i + 1`` rows of
+    ``next_rows[i]`` [P, H] for module 1, and ``next_carry[i]``'s row of each deeper depth), and
     ``committed[i]`` its ``num_committed``. ``fits``: every sequence has the blocks for one
     more step; ``variant``: the device-program variant the step ran."""
 
     seqs: tuple[Sequence, ...]
-    next_rows: Tensor
-    next_carry: Tensor
-    rows: list[Tensor]
-    carry: list[tuple[Tensor, ...]]
+    next_rows: Tensor  # [n, P, H]
+    next_carry: Tensor  # [n, k - 1, H]
+    num_accepted: list[int]
     committed: list[int]
     fits: bool
     variant: bool
+    refs: list[tuple[_SteadyRows, int]] = field(default_factory=list)
     checked: list[Sequence] | None = None  # the batch ``holds`` last confirmed
+
+    def hidden_of(self, index: int) -> list[Tensor]:
+        """Sequence ``index``'s pending rows per depth: [a + 1, H], then [1, H] per deeper one."""
+        a = self.num_accepted[index]
+        carry = self.next_carry[index]  # [k - 1, H]
+        return [self.next_rows[index, : a + 1], *(carry[d : d + 1] for d in range(carry.shape[0]))]
 
     def holds(self, seqs: list[Sequence]) -> bool:
         """Whether ``seqs`` are these sequences in this order, each with exactly the state the
-        step left: no token committed, no MTP row consumed, truncated or appended since (the
-        tensors handed out are checked by identity, not value; any change replaces them or
-        leaves an unfolded tail), and room for one more step. Then every sequence is eligible
-        and the bucket's inputs, advanced on the device (``GraphedTreeStep._advance``), are
-        this batch's."""
+        step left: no token committed, no MTP row read, consumed, truncated or appended since
+        (any access to the deferred rows hands them out, which clears ``deferred``), and room
+        for one more step. Then every sequence is eligible and the bucket's inputs, advanced on
+        the device (``GraphedTreeStep._advance``), are this batch's."""
         if not self.fits or len(seqs) != len(self.seqs):
             return False
         if any(a is not b for a, b in zip(seqs, self.seqs, strict=True)):
             return False
-        for s, rows, carry, L in zip(seqs, self.rows, self.carry, self.committed, strict=True):
-            if s.num_committed != L or len(s.tokens) != L + 1 or s.has_hidden_tail:
-                return False
-            hidden = s.pending_hidden
-            if hidden[0] is not rows:
-                return False
-            if not all(map(is_, hidden[1:], carry)):  # identity, in C: no per-row Python
+        for s, ref, L in zip(seqs, self.refs, self.committed, strict=True):
+            if s.deferred is not ref or s.num_committed != L or len(s.tokens) != L + 1:
                 return False
         self.checked = seqs
         return True
@@ -532,46 +531,38 @@ class GraphedTreeStep:
     def _finish(self, buf: _Buffers, seqs: list[Sequence], c: list[int]) -> StepResults:
         """Read the step's outputs and move every sequence's KV/MTP bookkeeping forward.
 
-        This loop is most of the step's host work per sequence (on the H200's host ~12 us each:
-        3 ms of a 17.7 ms step at batch 256): each sequence gets its views of the copied outputs
-        from two calls for the whole batch (``split``, ``unbind``) and a few list updates; the
-        acceptance statistics are counted for the batch at once (``StepResults``)."""
-        n, D, P, k = len(seqs), self.D, self.D + 1, self.k
+        This loop is most of the step's host work per sequence (on the H200's host ~12 us each
+        once: 3 ms of a 17.7 ms step at batch 256). No tensor is made per sequence: its pending
+        MTP rows stay in the step's copied outputs (``Sequence.deferred``, ``_SteadyRows``)
+        until something reads them, which the next step over the same batch does not (views
+        per sequence cost 1.7 ms at batch 256 on a 2-core host); the acceptance statistics are
+        counted for the batch at once (``StepResults``)."""
+        n, D, k = len(seqs), self.D, self.k
         # The static outputs are overwritten by the next replay: copy them out, once.
         next_rows = buf.next_rows[:n].clone()  # [n, P, H]
         next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
         packed_array = buf.packed[:n].cpu().numpy()  # the step's one device -> host copy
         packed = packed_array.tolist()
         num_accepted = [row[0] for row in packed]
-        # Sequence i's module-1 rows are the first a_i + 1 of its P: views [a_i + 1, H] at even
-        # indices of one split of the flat rows (odd ones: the unused rest).
-        sizes = [size for a in num_accepted for size in (a + 1, P - a - 1)]
-        rows_of = list(next_rows.view(n * P, -1).split(sizes)[::2])
-        km1 = k - 1
-        carried = next_carry.view(n * km1, 1, -1).unbind(0) if km1 else ()  # n * (k-1) views [1, H]
-        carry_of = [carried[i * km1 : (i + 1) * km1] for i in range(n)]
         committed_now: list[int] = []
+        steady = _SteadyRows(tuple(seqs), next_rows, next_carry, num_accepted, committed_now, False,
+                             self.variant)  # fmt: skip
+        refs = steady.refs = [(steady, i) for i in range(n)]
         tokens: list[list[int]] = []
         room = 1 << 62  # the fewest free slots past a sequence's committed entries
         bs = self.block_size
-        for s, row, a, ci, rows, carry in zip(seqs, packed, num_accepted, c, rows_of, carry_of, strict=True):
+        offsets = range(k)
+        for s, row, a, ci, ref in zip(seqs, packed, num_accepted, c, refs, strict=True):
             tokens.append([*row[3 : 3 + a], row[1]])  # path tokens below the root, the bonus
             L = s.num_committed
-            committed = s.mtp_committed
-            for d in range(k):
-                committed[d] += ci
-            hidden, start = s.pending_hidden, s.pending_start
-            hidden[0] = rows
-            hidden[1:] = carry
-            start[0] = L
-            for d in range(1, k):
-                start[d] = L - d
+            s.mtp_committed = [m + ci for m in s.mtp_committed]
+            s.pending_start = [L - d for d in offsets]
+            s.deferred = ref
             s.num_committed = L + a + 1
             committed_now.append(L + a + 1)
             room = min(room, len(s.block_ids) * bs - L - a - 1)
-        fits = room >= self.capacity_needed_past_committed
-        buf.steady = _SteadyRows(tuple(seqs), next_rows, next_carry, rows_of, carry_of, committed_now,
-                                 fits, self.variant)  # fmt: skip
+        steady.fits = room >= self.capacity_needed_past_committed
+        buf.steady = steady
         return StepResults(
             tokens, num_accepted, packed_array[:, 3 + D : 4 + 2 * D], packed_array[:, 4 + 2 * D : 5 + 3 * D]
         )
