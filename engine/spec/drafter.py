@@ -194,7 +194,9 @@ class MTPDrafter:
         That leaves each sequence in the state a speculative step leaves behind (one row to go
         per module), so its next decode step can take the graphed path
         (``engine.spec.graphed_tree``). With ``static_catch_up`` the rows go through its
-        captured shapes (several passes for rows beyond its largest), else one eager forward.
+        captured shapes: all modules in one fused replay where a sequence's rows fit one pass,
+        else a replay per module and pass (several passes for rows beyond its largest shape);
+        without, one eager forward per module.
         """
         static = self.static_catch_up
         if static is None:
@@ -206,8 +208,9 @@ class MTPDrafter:
                                      [spec[1] for _, spec in ready], [spec[2] for _, spec in ready],
                                      [[] for _ in ready])  # fmt: skip
             return
+        seqs = static.catch_up(seqs)  # the sequences its fused replays do not cover
         for depth in range(1, self.num_modules + 1):
-            while True:  # passes of at most ``max_rows`` rows per sequence
+            while seqs:  # passes of at most ``max_rows`` rows per sequence
                 pending = [(seq, self._pending_rows(seq, depth, 1, static.max_rows)) for seq in seqs]
                 work = [(seq, start, prev) for seq, (start, prev) in pending if prev is not None]
                 if not work:
