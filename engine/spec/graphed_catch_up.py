@@ -266,12 +266,13 @@ class GraphedCatchUp:
         rows ``p_d`` of d = 2..k; None where one pass would not leave ``seq`` as the per-module
         passes do: more than ``max_rows`` rows, more than one carried row, a queue that does not
         start at its module's committed entries, more than module d-1's newest row left over."""
+        rows = seq.hidden_rows(0)  # hands deferred rows out (``Sequence.deferred``), folds a tail
         if seq.has_hidden_tail:
-            for depth in range(self.num_modules):
-                seq.hidden_rows(depth)  # folds the appended rows in
+            for depth in range(1, self.num_modules):
+                seq.hidden_rows(depth)
+        # The queues are plain lists now (read and written directly here and in ``_run_fused``).
         hidden, starts, committed = seq.pending_hidden, seq.pending_start, seq.mtp_committed
         last = len(seq.tokens) - 1  # the pending token's index: module d commits rows t < last - d
-        rows = hidden[0]
         have = 0 if rows is None else rows.shape[0]
         if have and starts[0] != committed[0]:
             return None

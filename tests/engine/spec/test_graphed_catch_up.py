@@ -26,11 +26,13 @@ from tests.model_factory import build_checkpoint
 SHAPES = ((1, 4), (2, 4), (1, 8), (2, 8))  # at most 2 sequences and 8 rows per replay
 LENGTHS = (3, 21, 9, 5)  # committed tokens per sequence (the prompt); 21 needs three passes
 MORE = (1, 6, 12, 3)  # committed later (autoregressive steps), caught up a second time
-# Steady case: tokens a speculative step accepted before the autoregressive steps (None: the
-# sequence, with fewer tokens than modules, was not drafted for); the last sequence's two newest
-# target rows are not queued yet (logged, ``HiddenLog``), so its module 1 stops a row short and
-# module 2 takes all of module 1's new rows.
-ACCEPTED = (None, 2, 0, 3)
+# Steady case: tokens a speculative step accepted (None: the sequence, with fewer tokens than
+# modules, was not drafted for), then autoregressive steps; the third sequence is caught up
+# right after the step (its rows still deferred), the last one with its two newest target rows
+# not queued yet (logged, ``HiddenLog``), so its module 1 stops a row short and module 2 takes
+# all of module 1's new rows.
+ACCEPTED = (None, 4, 3, 3)
+STEADY_MORE = (1, 6, 0, 3)
 # (fused replays, per-module replays) of each case's last catch-up (module d of sequence i has
 # LENGTHS[i] - d rows in the prompt's, MORE[i] (+ ACCEPTED[i] + 1) in a later one; a sequence
 # with more than 8 rows for a module takes per-module passes of at most 8 rows, the others go
@@ -78,17 +80,29 @@ def _commit(seq: Sequence, count: int, eng: LLMEngine, gen: torch.Generator, que
     seq.push_hidden(0, start, _rows(count if queued is None else queued, eng, gen))
 
 
+class _StepOutputs:
+    """A graphed step's copied outputs, which its sequences' pending rows stay in
+    (``engine.sequence.DeferredHidden``)."""
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+    def hidden_of(self, index: int) -> list[torch.Tensor]:
+        return self.rows
+
+
 def _speculative_step(seq: Sequence, accepted: int, eng: LLMEngine, gen: torch.Generator) -> None:
     """The state ``GraphedTreeStep._finish`` leaves a caught-up sequence in: every module's
-    pending row committed (its entry is left out here: both runs lack it alike), ``accepted + 1``
-    target rows queued, and each module d < k's output at L - d carried for module d + 1."""
-    L = seq.num_committed
-    for d in range(seq.num_mtp_modules):
-        seq.mtp_committed[d] += 1
-        if d:
-            seq.pending_hidden[d], seq.pending_start[d] = _rows(1, eng, gen), L - d
-    seq.pending_hidden[0] = None
-    _commit(seq, accepted + 1, eng, gen)
+    pending row committed (its entry is left out here: both runs lack it alike), and deferred
+    (``Sequence.deferred``) ``accepted + 1`` target rows and each module d < k's output at L - d,
+    carried for module d + 1."""
+    L, k = seq.num_committed, seq.num_mtp_modules
+    seq.mtp_committed = [m + 1 for m in seq.mtp_committed]
+    seq.pending_start = [L - d for d in range(k)]
+    seq.deferred = (_StepOutputs([_rows(accepted + 1, eng, gen), *(_rows(1, eng, gen) for _ in range(k - 1))]), 0)
+    seq.tokens += seq.future[: accepted + 1]  # type: ignore[attr-defined]
+    seq.future = seq.future[accepted + 1 :]  # type: ignore[attr-defined]
+    seq.num_committed += accepted + 1
 
 
 def _catch_up_case(eng: LLMEngine, seqs: list[Sequence], case: str) -> None:
@@ -98,11 +112,12 @@ def _catch_up_case(eng: LLMEngine, seqs: list[Sequence], case: str) -> None:
     if case == "prompt":
         return
     gen = torch.Generator().manual_seed(1)
-    for seq, more, accepted in zip(seqs, MORE, ACCEPTED, strict=True):
-        if case == "steady" and accepted is not None:
+    steady = case == "steady"
+    for seq, more, accepted in zip(seqs, STEADY_MORE if steady else MORE, ACCEPTED, strict=True):
+        if steady and accepted is not None:
             _speculative_step(seq, accepted, eng, gen)
-        short = case == "steady" and seq is seqs[-1]
-        _commit(seq, more, eng, gen, queued=more - 2 if short else None)
+        if more:
+            _commit(seq, more, eng, gen, queued=more - 2 if steady and seq is seqs[-1] else None)
     static = eng.drafter.static_catch_up
     if static is not None:  # count the last catch-up's runs only
         static.fused_runs = static.module_runs = 0
