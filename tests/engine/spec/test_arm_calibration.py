@@ -74,3 +74,21 @@ def test_off_by_default_on_cpu(small_vocab_dir: Path) -> None:
                                     engine_config=EngineConfig(cuda_graphs=True, max_batch_size=2))  # fmt: skip
     assert eng.adaptive is not None and eng.adaptive.calibration == []
     assert "arm_calibration" not in eng.startup_seconds
+
+
+def test_each_arm_is_timed_on_its_graphed_step(small_vocab_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drafting arms' steps are the captured device steps, greedy and sampled (a seeded
+    sampled request would take the host-driven path and time something else)."""
+    from engine.spec.graphed_sampled import GraphedSampledTree
+    from engine.spec.graphed_tree import GraphedGreedyTree
+
+    ran: list[str] = []
+    for kind in (GraphedGreedyTree, GraphedSampledTree):
+        run = kind.run
+        monkeypatch.setattr(kind, "run", lambda self, seqs, run=run: ran.append(type(self).__name__) or run(self, seqs))
+    host = LLMEngine._speculative_step
+    monkeypatch.setattr(LLMEngine, "_speculative_step", lambda *a: ran.append("host") or host(*a))
+    LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
+                              engine_config=EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=2))  # fmt: skip
+    assert "host" not in ran
+    assert ran.count("GraphedGreedyTree") >= 2 * 2 * 6 and ran.count("GraphedSampledTree") >= 2 * 2 * 6
