@@ -58,6 +58,7 @@ PRIOR = AcceptanceStats.chain([0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
 MIN_STEPS_FOR_LIVE_STATS = 32
 REPLAN_MAX_RECORDS = 16384
 PREDICT_GROWTH = 1.25  # the arms' yields are re-predicted when the statistics grow by this factor
+PREDICT_EVERY = 256  # ... and at least this many choices passed (a prediction costs ~2 ms)
 NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
 
 
@@ -75,8 +76,10 @@ class AdaptiveController:
         self._planned_at_steps = 0
         self._graphed_arms: dict[bool, list[TreeBudget]] = {}  # sampled -> captured budgets
         self.steps_per_arm: Counter[TreeBudget] = Counter()  # decode steps per chosen budget
-        # sampled -> verify steps counted when the captured arms' yields were last predicted.
-        self._predicted_at: dict[bool, int] = {}
+        # sampled -> (verify steps counted, choices made) when the captured arms' yields were
+        # last predicted.
+        self._predicted_at: dict[bool, tuple[int, int]] = {}
+        self._choices = 0  # choices made (``choose`` calls)
         # An arm every step takes while set (start-up calibration: ``engine.spec.arm_calibration``).
         self.forced: TreeBudget | None = None
         # The graphed arms' step times calibrated at start-up (empty: not calibrated).
@@ -132,6 +135,7 @@ class AdaptiveController:
         (``MeasuredArms.choose``)."""
         if self.forced is not None:
             return self.forced
+        self._choices += 1
         arms = self._graphed_arms.get(sampled)
         if arms is None:
             arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
@@ -163,7 +167,12 @@ class AdaptiveController:
         counter = engine.sampled_acceptance if sampled else engine.acceptance
         steps = counter.num_steps
         known = self._predicted_at.get(sampled)
-        if steps < MIN_STEPS_FOR_LIVE_STATS or (known is not None and steps < known * PREDICT_GROWTH):
+        if steps < MIN_STEPS_FOR_LIVE_STATS:
+            return
+        # Re-predicted as the statistics grow by a quarter, but not within PREDICT_EVERY choices
+        # of the last: the optimiser's tree costs ~2 ms of host time on the H200's host, and
+        # re-predicting at every quarter took 0.2-0.35 ms per step at batches 1-16 there.
+        if known is not None and (steps < known[0] * PREDICT_GROWTH or self._choices < known[1] + PREDICT_EVERY):
             return
         try:
             stats = AcceptanceStats.from_dict(counter.snapshot())
@@ -171,7 +180,7 @@ class AdaptiveController:
             return
         for arm in arms:
             self.arms.set_predicted_yield(sampled, arm, expected_length(self._shape(arm, stats), stats))
-        self._predicted_at[sampled] = steps
+        self._predicted_at[sampled] = (steps, self._choices)
 
     @staticmethod
     def _shape(arm: TreeBudget, stats: AcceptanceStats) -> TreeShape:

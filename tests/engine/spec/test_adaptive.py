@@ -105,7 +105,8 @@ def test_graphed_path_chooses_among_the_captured_budgets_by_measurement(
 def test_the_arms_yields_are_the_simulators_under_the_live_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     """One model of the trade-off: once enough verify steps are counted, each captured budget's
     yield is the simulator's expected length of its shape (the optimiser's tree for the tree
-    budget, the chain for the chain) under the live statistics, re-predicted as they grow."""
+    budget, the chain for the chain) under the live statistics, re-predicted as they grow by a
+    quarter, at most every PREDICT_EVERY choices (a prediction costs milliseconds of host time)."""
     from engine.simulator import AcceptanceStats, TreeShape, expected_length, optimal_tree
 
     eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
@@ -125,9 +126,12 @@ def test_the_arms_yields_are_the_simulators_under_the_live_statistics(monkeypatc
         eng.acceptance.record_path([True], [])
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, MAX) == pytest.approx(tree)
-    for _ in range(20):  # 65 steps: re-predicted (root-only paths lower depth 1's rate)
+    for _ in range(20):  # 65 steps: a quarter more, but within PREDICT_EVERY choices
         eng.acceptance.record_path([True], [])
     controller.choose(eng, 1)  # type: ignore[arg-type]
+    assert controller.arms.arm_yield(False, MAX) == pytest.approx(tree)
+    for _ in range(adaptive.PREDICT_EVERY):  # then re-predicted (root-only paths lower depth 1's rate)
+        controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, MAX) < tree
 
 
