@@ -5,7 +5,7 @@
 #
 # 1. trains the `gpu` preset model into MODEL_DIR unless it already holds one (200 s, ~4 minutes in all);
 # 2. runs the GPU kernel tests (tests/engine/kernels/test_gpu_kernels.py, into
-#    gpu_kernel_tests.log; GPU_TESTS=0 skips them), then `mtpserve bench offline` on CUDA in bf16 (greedy check in float32 first), with a time
+#    gpu_kernel_tests.log; GPU_TESTS=0 skips them, GPU_TESTS=after runs them after the sweep), then `mtpserve bench offline` on CUDA in bf16 (greedy check in float32 first), with a time
 #    limit so the whole script ends in time: points not started in time are listed as skipped;
 # 3. writes into RESULTS_DIR: <device>-<date>.json, .md, a few PNGs (if matplotlib is
 #    installed; otherwise run `mtpserve bench report FILE.json` elsewhere) and gpu_bench.log;
@@ -46,12 +46,18 @@ if [ ! -f "$MODEL/config.json" ]; then
         --time-budget-s "${TRAIN_BUDGET_S:-200}"
 fi
 # The Triton kernels against their PyTorch references on this GPU (tests/engine/kernels), before
-# anything is timed; GPU_TESTS=0 skips them.
-if [ "${GPU_TESTS:-1}" = 1 ] && "$PY" -c 'import pytest' 2>/dev/null; then
-    echo "== GPU kernel tests"
-    timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/engine/kernels/test_gpu_kernels.py \
-        > "$OUT/gpu_kernel_tests.log" 2>&1 || echo "== GPU kernel tests exited with status $?"
-    tail -1 "$OUT/gpu_kernel_tests.log"
+# anything is timed (GPU_TESTS=1), after the sweep in the time left (GPU_TESTS=after, so a
+# slow compile cannot eat the sweep's time), or not at all (GPU_TESTS=0).
+gpu_tests() {  # $1: seconds allowed
+    if "$PY" -c 'import pytest' 2>/dev/null; then
+        echo "== GPU kernel tests (at most $1 s)"
+        timeout "$1" "$PY" -m pytest -q -p no:cacheprovider tests/engine/kernels/test_gpu_kernels.py \
+            > "$OUT/gpu_kernel_tests.log" 2>&1 || echo "== GPU kernel tests exited with status $?"
+        tail -1 "$OUT/gpu_kernel_tests.log"
+    fi
+}
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+    gpu_tests 180
 fi
 ELAPSED=$(( $(date +%s) - START ))
 # The limit counts from the start of the sweep (model load and float32 check included); leave
@@ -72,6 +78,10 @@ fi
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
+LEFT=$(( END_S - ($(date +%s) - START) ))
+if [ "${GPU_TESTS:-1}" = after ] && [ "$LEFT" -gt 20 ]; then
+    gpu_tests $(( LEFT < 180 ? LEFT : 180 ))
+fi
 LEFT=$(( END_S - ($(date +%s) - START) ))
 if [ -n "${TRACE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
     TRACE_LIMIT=$(( LEFT < ${TRACE_S:-90} ? LEFT : ${TRACE_S:-90} ))
