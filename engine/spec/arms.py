@@ -290,6 +290,11 @@ class MeasuredArms:
         it was measured (None: measured nowhere). With two or more, the step time is the line
         through the two nearest (time = fixed + per sequence x batch, never decreasing); with
         one, that bucket's step time as it is."""
+        own = self._buckets.get((bucket, sampled))
+        cost = None if own is None else own.costs.get(arm)
+        if cost is not None and cost.count >= MIN_MEASURED:  # measured (or calibrated) here
+            per_token = cost.seconds / (cost.rows * self._tokens_per_seq(sampled, arm, cost))
+            return _Estimate(cost.seconds, per_token, True, bucket)
         found = sorted(
             ((abs(b - bucket), -b, b) for (b, s), bk in self._buckets.items()
              if s == sampled and (c := bk.costs.get(arm)) is not None and c.count >= MIN_MEASURED),
@@ -300,9 +305,7 @@ class MeasuredArms:
         cost = near[0].costs[arm]
         rows = float(1 << (bucket - 1))
         step = cost.seconds
-        if found[0][2] == bucket:
-            rows = cost.rows
-        elif len(near) == 2:
+        if len(near) == 2:
             other = near[1].costs[arm]
             if other.rows != cost.rows:
                 slope = max((other.seconds - cost.seconds) / (other.rows - cost.rows), 0.0)
@@ -311,7 +314,7 @@ class MeasuredArms:
                 floor = cost.seconds * min(rows / cost.rows, 1.0)
                 step = max(cost.seconds + slope * (rows - cost.rows), floor)
         per_token = step / (rows * self._tokens_per_seq(sampled, arm, cost))
-        return _Estimate(step, per_token, found[0][2] == bucket, found[0][2])
+        return _Estimate(step, per_token, False, found[0][2])
 
     # ------------------------------------------------------------------ choice
     def choose(

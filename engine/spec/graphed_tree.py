@@ -58,6 +58,7 @@ from engine.spec.device_tree import (
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SMALL_BATCH = 8  # StepResults.chain_tokens counts this many rows or fewer in Python
 
 
 @dataclass
@@ -80,9 +81,18 @@ class StepResults:
         of the previous best child, the tree's rank 0), at most ``depth``, plus the bonus.
         Exact when the tree kept that run's nodes; it keeps the best ones by score."""
         cols = min(depth, self.ranks.shape[1] - 1)
+        n = len(self.num_accepted)
+        if n <= SMALL_BATCH:  # a few rows: plain Python beats five numpy calls
+            total = n
+            for row, a in zip(self.ranks[:, 1 : cols + 1].tolist(), self.num_accepted, strict=True):
+                for rank in row[: min(a, cols)]:
+                    if rank:
+                        break
+                    total += 1
+            return total
         first = self.ranks[:, 1 : cols + 1] == 0  # [n, cols] the path node at depth j is rank 0
         accepted = np.arange(1, cols + 1)[None] <= np.asarray(self.num_accepted)[:, None]
-        return int(np.cumprod(first & accepted, axis=1).sum()) + len(self.num_accepted)
+        return int(np.cumprod(first & accepted, axis=1).sum()) + n
 
 
 _POS, _WIN, _QON, _QOFF, _KEEP = range(5)  # columns of _RowPlan.meta

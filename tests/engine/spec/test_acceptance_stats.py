@@ -104,3 +104,22 @@ def test_a_tree_steps_results_tell_what_the_chain_would_have_yielded() -> None:
     assert results.chain_tokens(4) == (4 + 1) + (1 + 1) + (0 + 1) + (0 + 1)
     assert results.chain_tokens(6) == (5 + 1) + 2 + 1 + 1
     assert results.chain_tokens(1) == 2 + 2 + 1 + 1
+
+
+def test_chain_tokens_counts_alike_for_small_and_large_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small batches are counted in Python, large ones with numpy: the same counts."""
+    import numpy as np
+
+    from engine.spec import graphed_tree
+    from engine.spec.graphed_tree import StepResults
+
+    rng = np.random.default_rng(0)
+    for n in (1, 5, 40):
+        ranks = rng.integers(0, 3, (n, 7)) * (rng.random((n, 7)) < 0.4)
+        accepted = rng.integers(0, 7, n).tolist()
+        results = StepResults([[1]] * n, accepted, np.ones_like(ranks, dtype=bool), ranks)
+        counts = []
+        for small in (0, 64):  # numpy for every batch, then Python for every batch
+            monkeypatch.setattr(graphed_tree, "SMALL_BATCH", small)
+            counts.append([results.chain_tokens(d) for d in (1, 4, 6)])
+        assert counts[0] == counts[1]
