@@ -990,6 +990,9 @@ class LLMEngine:
             self.pool.free(extra)
 
     def _release(self, seq: Sequence, request_id: str | None) -> int:
+        # Its deferred MTP rows point at a graphed step that points back at its batch: dropping
+        # the reference lets both go without waiting for the garbage collector.
+        seq.deferred = None
         blocks = len(seq.block_ids)
         zeroed = self.pool.free(seq.block_ids)
         seq.block_ids = []
