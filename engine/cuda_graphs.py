@@ -169,10 +169,13 @@ class StaticTargetForward:
         self.token_counts = tuple(sorted(set(token_counts)))
         self.use_graphs = use_graphs and pool.kv_cache.is_cuda
         shapes = {(b, t) for b in self.buckets for t in self.token_counts}
-        # Prefill shapes: (bucket, T) of at most twice the prefill chunk's rows.
+        # Prefill shapes: (bucket, T) of at most twice the prefill chunk's rows, and no longer
+        # than a block table holds (a short context never has longer chunks).
+        longest = max_blocks * pool.block_size
         self.prefill_shapes = sorted(
-            (b, t) for b in self.buckets for t in set(prefill_tokens) if b * t <= 2 * prefill_chunk
-        )
+            (b, t) for b in self.buckets for t in set(prefill_tokens)
+            if b * t <= 2 * prefill_chunk and t <= longest
+        )  # fmt: skip
         shapes.update(self.prefill_shapes)
         max_tokens = max(t for _, t in shapes)
         self.scratch = pool.allocate(-(-max_tokens // pool.block_size), BlockOwner("graph-padding"))

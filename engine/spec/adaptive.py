@@ -321,6 +321,10 @@ def calibrate_catch_up(
     cfg = engine.model_config
     # Rows the engine counts as behind exclude a steady step's (``_decode_summary``).
     slack = steady_catch_up_rows(engine.budget.depth)
+    # Within the context (a short one has short prompts to catch up over anyway).
+    rows_per_prompt = min(rows_per_prompt, engine.max_model_len - slack - 2)
+    if rows_per_prompt < 1:
+        return []
     length = rows_per_prompt + slack + 1  # tokens: the last one is the pending token
     blocks_per_seq = -(-(length + 1) // pool.block_size)
     dtype = next(engine.model.parameters()).dtype

@@ -83,6 +83,8 @@ def calibrate_arms(engine: LLMEngine, no_spec: TreeBudget, seed: int = 0) -> lis
         arms = [no_spec, *arms]
         # Tokens a request may need: every arm's steps at its deepest path, plus slack.
         max_new = sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms) + 8
+        if PROMPT_TOKENS + max_new > engine.max_model_len:
+            continue  # a context too short for the scratch requests: learnt online instead
         # Unseeded: a seeded sampled request takes the host-driven path, not the graphed step.
         params = SamplingParams(max_tokens=max_new, ignore_eos=True, temperature=1.0 if sampled else 0.0)
         for batch in calibration_batch_sizes(engine, arms, max_new):

@@ -106,7 +106,10 @@ class GraphedCatchUp:
         self.num_modules = model.config.num_mtp_modules
         self.max_blocks = max_blocks
         smallest = min(s for s, _ in shapes)
-        kept = [(s, r) for s, r in shapes if s <= max(max_batch, smallest)]
+        # Rows beyond what a block table holds never come (a short context), and their padding
+        # would not fit the table either.
+        longest = max(max_blocks * pool.block_size, min(r for _, r in shapes))
+        kept = [(s, r) for s, r in shapes if s <= max(max_batch, smallest) and r <= longest]
         self.row_buckets = tuple(sorted({r for _, r in kept}))
         self.max_rows = R = self.row_buckets[-1]
         self.block_size = bs = pool.block_size

@@ -325,3 +325,17 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     got3 = _serve(eng, sampled)
     assert [len(o.token_ids) for o in got3.values()] == list(lengths)
     assert steady_in.count("GraphedSampledTree") >= 5, steady_in
+
+
+@pytest.mark.parametrize("method", ["none", "tree", "adaptive"])
+def test_static_paths_build_and_decode_with_a_short_context(small_vocab_dir: Path, method: str) -> None:
+    """A context shorter than the largest captured prefill and catch-up shapes (their padding
+    would not fit a block table): those shapes are left out, the start-up calibrations stay
+    within the context, and greedy output is autoregressive decoding's."""
+    config = EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=2, max_model_len=48)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method=method), engine_config=config)
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
+    assert eng.kv_blocks_used == len(set(eng.static_scratch_blocks))

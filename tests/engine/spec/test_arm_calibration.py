@@ -92,3 +92,12 @@ def test_each_arm_is_timed_on_its_graphed_step(small_vocab_dir: Path, monkeypatc
                               engine_config=EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=2))  # fmt: skip
     assert "host" not in ran
     assert ran.count("GraphedGreedyTree") >= 2 * 2 * 6 and ran.count("GraphedSampledTree") >= 2 * 2 * 6
+
+
+def test_a_context_too_short_for_the_scratch_requests_skips_the_calibration(small_vocab_dir: Path) -> None:
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
+                                    engine_config=EngineConfig(cuda_graphs=True, calibrate_arms=True,
+                                                               max_batch_size=2, max_model_len=48))  # fmt: skip
+    assert eng.adaptive is not None and eng.adaptive.calibration == []
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
+    assert len(out[0].token_ids) == 8 or out[0].finish_reason == "stop"
