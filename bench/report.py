@@ -68,7 +68,8 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = ["Adaptive speculation: decode steps per chosen budget (all timed repeats), and the "
-             "step costs it measured in that batch's bucket (ms per step, tokens per sequence):", "",
+             "step costs it measured in that batch's bucket (ms per step, and the tokens per "
+             "sequence it counted on: a drafting arm's yield pooled over batch sizes):", "",
              "| T | batch | steps per budget | measured arm costs |", "|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["temperature"], r["batch_size"])):
         arms = ", ".join(f"{label} {n}" for label, n in sorted(r["steps_per_arm"].items()))

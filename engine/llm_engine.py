@@ -446,7 +446,8 @@ class LLMEngine:
         under adaptive speculation once enough sequences finished, ``relative_yields``: the
         spread of tokens per drafting step over sequences (``engine.spec.drain``), what
         ``mtpserve simulate --closed-batch-tokens`` takes; and ``arm_costs``: each arm's measured
-        decode step per batch-size bucket (``engine.simulator.arm_costs``), what ``mtpserve
+        (or start-up calibrated) decode step per batch-size bucket and the tokens per sequence
+        the choice counts on (``engine.simulator.arm_costs``), what ``mtpserve
         simulate --arm-costs`` takes as its latency model."""
         snapshot = self.acceptance.snapshot()
         if self.adaptive is not None and self.adaptive.arms.spread.ready:
@@ -458,7 +459,8 @@ class LLMEngine:
                     {"batch_size": cost.rows, "sampled": sampled, "arm": budget_label(arm),
                      "topk": arm.topk if arm.speculates else 0, "depth": arm.depth,
                      "num_draft_tokens": arm.num_draft_tokens, "step_seconds": cost.seconds,
-                     "tokens_per_seq": cost.tokens / cost.rows, "steps": cost.count}
+                     "tokens_per_seq": self.adaptive.arms.tokens_per_seq(sampled, arm, cost),
+                     "steps": cost.count}
                     for sampled, arm, cost in costs
                 ]  # fmt: skip
         return snapshot

@@ -279,9 +279,12 @@ class MeasuredArms:
         cost = self._buckets.get((bucket, sampled), _Bucket(0)).costs.get(arm)
         if cost is None or cost.count < MIN_MEASURED:
             return None
-        return cost.seconds / (cost.rows * self._tokens_per_seq(sampled, arm, cost))
+        return cost.seconds / (cost.rows * self.tokens_per_seq(sampled, arm, cost))
 
-    def _tokens_per_seq(self, sampled: bool, arm: TreeBudget, cost: StepCost) -> float:
+    def tokens_per_seq(self, sampled: bool, arm: TreeBudget, cost: StepCost) -> float:
+        """Tokens per sequence per step the choice counts on for ``arm`` with bucket ``cost``: a
+        drafting arm's yield (``arm_yield``, pooled over buckets) where known, else the bucket's
+        measured tokens (one per sequence for a step time only calibrated)."""
         expected = self.arm_yield(sampled, arm) if arm.speculates else None
         return cost.tokens / cost.rows if expected is None else expected
 
@@ -293,7 +296,7 @@ class MeasuredArms:
         own = self._buckets.get((bucket, sampled))
         cost = None if own is None else own.costs.get(arm)
         if cost is not None and cost.count >= MIN_MEASURED:  # measured (or calibrated) here
-            per_token = cost.seconds / (cost.rows * self._tokens_per_seq(sampled, arm, cost))
+            per_token = cost.seconds / (cost.rows * self.tokens_per_seq(sampled, arm, cost))
             return _Estimate(cost.seconds, per_token, True, bucket)
         found = sorted(
             ((abs(b - bucket), -b, b) for (b, s), bk in self._buckets.items()
@@ -313,7 +316,7 @@ class MeasuredArms:
                 # the batch (smaller batch: a line with a negative fixed part).
                 floor = cost.seconds * min(rows / cost.rows, 1.0)
                 step = max(cost.seconds + slope * (rows - cost.rows), floor)
-        per_token = step / (rows * self._tokens_per_seq(sampled, arm, cost))
+        per_token = step / (rows * self.tokens_per_seq(sampled, arm, cost))
         return _Estimate(step, per_token, False, found[0][2])
 
     # ------------------------------------------------------------------ choice

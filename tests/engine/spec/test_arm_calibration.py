@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.spec.adaptive import NO_SPEC
+from engine.spec.adaptive import NO_SPEC, budget_label
 
 CONFIG = EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=4)
 
@@ -101,3 +101,21 @@ def test_a_context_too_short_for_the_scratch_requests_skips_the_calibration(smal
     assert eng.adaptive is not None and eng.adaptive.calibration == []
     out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(out[0].token_ids) == 8 or out[0].finish_reason == "stop"
+
+
+def test_the_snapshots_arm_costs_carry_the_yield_the_choice_counts_on(small_vocab_dir: Path) -> None:
+    """Each calibrated bucket's arms are in ``arm_costs``; a drafting arm with the yield the
+    choice counts on (pooled over buckets), not the one token a calibrated step stands for."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=CONFIG)
+    assert eng.adaptive is not None
+    arms = eng.adaptive.arms
+    tree, chain = eng.graphed_budgets(False)
+    arms.set_predicted_yield(False, tree, 3.5)
+    arms.observe_counterfactual_yield(1, False, chain, 3)
+    costs = eng.acceptance_snapshot()["arm_costs"]
+    greedy = {(round(c["batch_size"]), c["arm"]): c for c in costs if not c["sampled"]}  # type: ignore[union-attr]
+    assert set(greedy) == {(b, budget_label(a)) for b in (1, 2, 4) for a in (NO_SPEC, tree, chain)}
+    for b in (1, 2, 4):
+        assert greedy[(b, "none")]["tokens_per_seq"] == 1.0
+        assert greedy[(b, budget_label(tree))]["tokens_per_seq"] == 3.5
+        assert greedy[(b, budget_label(chain))]["tokens_per_seq"] == arms.arm_yield(False, chain) == 3.0
