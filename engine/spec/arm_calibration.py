@@ -57,7 +57,7 @@ class ArmTiming:
         return self.batch_size * (self.arm.num_draft_tokens + 1)
 
 
-def calibration_batch_sizes(engine: LLMEngine, arms: list[TreeBudget], max_new: int) -> list[int]:
+def calibration_batch_sizes(engine: LLMEngine, max_new: int) -> list[int]:
     """Powers of two up to the batch limit whose scratch requests the KV pool holds."""
     per_request = engine.scheduler.blocks_for(PROMPT_TOKENS + max_new)
     sizes, b = [], 1
@@ -87,7 +87,7 @@ def calibrate_arms(engine: LLMEngine, no_spec: TreeBudget, seed: int = 0) -> lis
             continue  # a context too short for the scratch requests: learnt online instead
         # Unseeded: a seeded sampled request takes the host-driven path, not the graphed step.
         params = SamplingParams(max_tokens=max_new, ignore_eos=True, temperature=1.0 if sampled else 0.0)
-        for batch in calibration_batch_sizes(engine, arms, max_new):
+        for batch in calibration_batch_sizes(engine, max_new):
             timings += _time_batch(engine, arms, batch, sampled, params, gen)
     _reset(engine)
     return timings
