@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="per tree mode: draft tokens of the default shape, or TOPKxDEPTH-N "
                           "(e.g. 32,4x8-40; default CPU 4,8; GPU 8,32,64)")
     off.add_argument("--repeats", type=int, default=3)
+    off.add_argument("--min-sequences", type=int, default=0,
+                     help="more rounds at small batches: each point decodes at least this many prompts")
     off.add_argument("--warmup-tokens", type=int, default=None,
                      help="tokens of the warm-up round (default CPU 8; GPU: --max-new-tokens)")
     off.add_argument("--check-batch", type=int, default=None, help="default: the largest batch")
@@ -116,7 +118,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens, num_prompts=args.num_prompts, modes=args.modes,
         tree_budgets=args.tree_budgets if args.tree_budgets is not None else ([8, 32, 64] if gpu else [4, 8]),
-        repeats=args.repeats,
+        repeats=args.repeats, min_sequences=args.min_sequences,
         warmup_tokens=args.warmup_tokens if args.warmup_tokens is not None else (0 if gpu else 8), check_batch=args.check_batch,
         check_tokens=args.check_tokens, kv_memory_mb=args.kv_memory_mb,
         time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour, freeze_gc=True,

@@ -47,6 +47,9 @@ class OfflineSettings:
     # Draft tokens (default shape) or TOPKxDEPTH-N shapes per tree mode; empty: the default tree.
     tree_budgets: list[int | str] = field(default_factory=list)
     repeats: int = 3
+    # Small batches run more rounds, so that every point decodes at least this many prompts (a
+    # batch-1 point of 3 rounds measures 3 prompts' acceptance, a batch-16 point 48).
+    min_sequences: int = 0
     warmup_tokens: int = 8  # 0: max_new_tokens
     check_batch: int | None = None  # None: the largest batch size
     check_tokens: int | None = None  # None: max_new_tokens
@@ -105,6 +108,12 @@ def _floor_fields(c: Contender, rec: dict[str, Any], base_model: Any, rates: dic
     rec["step_over_floor"] = step_ms / floor["floor_ms"]
 
 
+def rounds_at(s: OfflineSettings, bs: int) -> int:
+    """Timed rounds at batch size ``bs``: ``repeats``, or more where that many rounds would
+    decode fewer than ``min_sequences`` prompts."""
+    return max(s.repeats, -(-s.min_sequences // bs))
+
+
 def _time_point(
     s: OfflineSettings, contenders: list[Contender], skipped: dict[str, str],
     pool: list[list[int]], bs: int, temperature: float, deadline: float | None, bar: tqdm,
@@ -126,7 +135,7 @@ def _time_point(
             active.append(c)
             runs[c.mode.label] = []
     rounds = 0
-    for rep in range(-1, s.repeats):  # round -1: warm-up
+    for rep in range(-1, rounds_at(s, bs)):  # round -1: warm-up
         bar.set_postfix_str(f"T={temperature} bs={bs}" + (" warm-up" if rep < 0 else ""))
         if deadline is not None and time.monotonic() > deadline:
             break
@@ -208,7 +217,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     records: list[dict[str, Any]] = []
     # All batch sizes of one temperature first: a time limit then cuts the sampled tail.
     points = [(t, b) for t in s.temperatures for b in s.batch_sizes]
-    bar = tqdm(total=len(points) * s.repeats, disable=not progress, desc="offline", unit="round")
+    bar = tqdm(total=sum(rounds_at(s, b) for _, b in points), disable=not progress, desc="offline", unit="round")
     deadline = None if s.time_limit_s is None else t_start + s.time_limit_s
     for temperature, bs in points:
         recs = _time_point(s, contenders, skipped, prompts, bs, temperature, deadline, bar)

@@ -15,7 +15,7 @@
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
 # 200), DEADLINE_S (default 540: seconds from start by which the sweep must end),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
-# BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MODES (override the sweep), VALIDATE_PROMPTS
+# BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MIN_SEQUENCES, MODES (override the sweep), VALIDATE_PROMPTS
 # (default 8: prompts of the simulator validation), TRACE_BATCHES (e.g. 4,16,64: then
 # scripts/adaptive_trace.py runs after the sweep, at most TRACE_S seconds (default 90), into
 # adaptive-trace.txt, before the validation takes the time left),
@@ -75,7 +75,8 @@ fi
     --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures "${TEMPERATURES:-0,0.7}" \
     --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
-    --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" --warmup-tokens 16 \
+    --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" \
+    --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens 16 \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
 LEFT=$(( END_S - ($(date +%s) - START) ))

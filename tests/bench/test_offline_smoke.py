@@ -20,7 +20,7 @@ def offline_result(tmp_path_factory: pytest.TempPathFactory, dense_model_dir: Pa
     out = tmp_path_factory.mktemp("bench") / "cpu-smoke.json"
     rc = main(["offline", "--model", str(dense_model_dir), "--device", "cpu", "--out", str(out),
                "--batch-sizes", "1,2", "--temperatures", "0,0.7", "--max-new-tokens", "6",
-               "--prompt-tokens", "8", "--repeats", "1", "--warmup-tokens", "2",
+               "--prompt-tokens", "8", "--repeats", "1", "--min-sequences", "2", "--warmup-tokens", "2",
                "--modes", "chain,tree,adaptive,transformers,transformers-mtp", "--tree-budgets", "3",
                "--price-per-hour", "1.0", "--no-progress"])
     return rc, json.loads(out.read_text()), out
@@ -68,6 +68,14 @@ def test_modes_agree_on_greedy_tokens(offline_result: tuple[int, dict, Path]) ->
         assert doc["check"][label]["match"], (label, doc["check"][label])
     greedy = [r for r in doc["runs"] if r["temperature"] == 0.0 and not r["skipped"]]
     assert all(r["greedy_match"] for r in greedy)
+
+
+def test_small_batches_run_rounds_until_min_sequences(offline_result: tuple[int, dict, Path]) -> None:
+    """--repeats 1 --min-sequences 2: batch 1 runs two rounds (two prompts), batch 2 one."""
+    _, doc, _ = offline_result
+    timed = [r for r in doc["runs"] if not r["skipped"]]
+    assert {r["repeats"] for r in timed if r["batch_size"] == 1} == {2}
+    assert {r["repeats"] for r in timed if r["batch_size"] == 2} == {1}
 
 
 def test_unavailable_modes_say_why(offline_result: tuple[int, dict, Path]) -> None:
