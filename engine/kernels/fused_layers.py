@@ -7,13 +7,16 @@ keys plus the latent-cache write about sixteen. These kernels do each in one lau
 - ``rms_norm``: ``weight * rms_norm(x.float()).to(x.dtype)`` per row;
 - ``rope_and_store_latent``: per token, computes cos/sin of its position, rotates the rope part
   of every head's query into a new tensor, and normalises ``c_kv``, rotates ``k_rope`` and
-  stores ``[c_kv | k_rope]`` at the token's cache slot.
+  stores ``[c_kv | k_rope]`` at the token's cache slot;
+- ``mtp_input``: an MTP module's input before ``eh_proj``, ``[enorm(embed(x)) | hnorm(h)]`` per
+  row: the embedding lookup, both norms and the concatenation (four kernels) in one launch, at
+  each of the drafting depths (the autoregressive step runs none of them).
 
 Both round where the PyTorch path rounds (after the normalisation, cos/sin, each product of
 the rotation), so in bfloat16 they agree with it to the last bit but for the order of the fp32
 reduction and the last bit of fp32 cos/sin. References (the PyTorch path): ``RMSNorm`` in
-``engine/model/layers.py`` and ``MultiHeadLatentAttention._rope_and_store_latent`` in
-``engine/model/mla.py``; tests: ``tests/engine/kernels/fused_cases.py``.
+``engine/model/layers.py``, ``MultiHeadLatentAttention._rope_and_store_latent`` in
+``engine/model/mla.py`` and ``MTPLayer.fuse_inputs`` in ``engine/model/decoder_layer.py``; tests: ``tests/engine/kernels/fused_cases.py``.
 """
 
 from __future__ import annotations
@@ -31,16 +34,21 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _norm_row(x_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.constexpr):
+    """Store ``weight * rms_norm(row)`` of the ``D`` values at ``x_ptr`` to ``out_ptr``."""
     offs = tl.arange(0, BLOCK)
     ok = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    normed = _round(x * rstd, dtype)
+    normed = _round(x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps), dtype)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + offs, (w * normed).to(dtype), mask=ok)
+    tl.store(out_ptr + offs, (w * normed).to(dtype), mask=ok)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    _norm_row(x_ptr + row * stride_x, w_ptr, out_ptr + row * D, D, eps, BLOCK)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -54,6 +62,39 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
             rows, weight, out, rows.stride(0), D, eps, BLOCK=triton.next_power_of_2(D)
         )
     return out.view(x.shape)
+
+
+@triton.jit
+def _mtp_input_kernel(
+    ids_ptr, emb_ptr, prev_ptr, ew_ptr, hw_ptr, out_ptr,
+    stride_emb, stride_prev, D, eps_e, eps_h, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    out_row = out_ptr + row * 2 * D
+    _norm_row(emb_ptr + token * stride_emb, ew_ptr, out_row, D, eps_e, BLOCK)
+    _norm_row(prev_ptr + row * stride_prev, hw_ptr, out_row + D, D, eps_h, BLOCK)
+
+
+def mtp_input(
+    input_ids: Tensor,  # [N] token of each row
+    embed_weight: Tensor,  # [V, H] the shared embedding
+    prev_hidden: Tensor,  # [N, H] the previous depth's hidden (last dim contiguous)
+    enorm_weight: Tensor,  # [H]
+    enorm_eps: float,
+    hnorm_weight: Tensor,  # [H]
+    hnorm_eps: float,
+) -> Tensor:  # [N, 2H] [enorm(embed(input_ids)) | hnorm(prev_hidden)] in prev_hidden's dtype
+    N, D = prev_hidden.shape
+    assert prev_hidden.stride(-1) == 1 and embed_weight.stride(-1) == 1
+    out = torch.empty(N, 2 * D, dtype=prev_hidden.dtype, device=prev_hidden.device)
+    if N:
+        _mtp_input_kernel[(N,)](
+            input_ids, embed_weight, prev_hidden, enorm_weight, hnorm_weight, out,
+            embed_weight.stride(0), prev_hidden.stride(0), D, enorm_eps, hnorm_eps,
+            BLOCK=triton.next_power_of_2(D),
+        )
+    return out
 
 
 @triton.jit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels import use_fused_kernels
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import Linear, RMSNorm, SwiGLUMLP
@@ -73,3 +74,16 @@ class MTPLayer(DecoderLayer):
     def fuse_inputs(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] x2 -> [..., H]."""
         return self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))
+
+    def fuse_input_ids(self, embed: nn.Embedding, input_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """``fuse_inputs(embed(input_ids), prev_hidden)``: input_ids [N], prev_hidden [N, H] ->
+        [N, H]. In inference on a GPU the lookup, both norms and the concatenation are one
+        kernel (``engine.kernels.fused_layers.mtp_input``)."""
+        dtype = prev_hidden.dtype
+        if use_fused_kernels(prev_hidden) and embed.weight.dtype == self.enorm.weight.dtype == dtype:
+            from engine.kernels.fused_layers import mtp_input
+
+            rows = mtp_input(input_ids, embed.weight, prev_hidden.contiguous(), self.enorm.weight,
+                             self.enorm.eps, self.hnorm.weight, self.hnorm.eps)  # fmt: skip
+            return self.eh_proj(rows)
+        return self.fuse_inputs(embed(input_ids), prev_hidden)

@@ -142,7 +142,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _mtp_input(self, depth: int, prev_hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[MTPLayer, torch.Tensor]:
         """Module ``depth`` and its fused input [N, H] (token embedding and depth-1 hidden)."""
         layer = self.mtp_layer(depth)
-        return layer, layer.fuse_inputs(self.model.embed_tokens(input_ids), prev_hidden)
+        return layer, layer.fuse_input_ids(self.model.embed_tokens, input_ids, prev_hidden)
 
     def forward_mtp(
         self,

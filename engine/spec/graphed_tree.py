@@ -580,9 +580,9 @@ class GraphedTreeStep:
     # ------------------------------------------------------------------ device program
     def _slots(self, tables: Tensor, positions: Tensor) -> Tensor:
         """Flat cache slots of ``positions`` [B, R] through block ``tables`` [B, max_blocks]."""
-        bs = self.block_size
-        block = tables.long().gather(1, positions // bs)
-        return block * bs + positions % bs
+        index = positions // self.block_size  # [B, R] table column
+        # slot = block * bs + position % bs, in two kernels after the gather
+        return torch.add(positions, tables.gather(1, index) - index, alpha=self.block_size)
 
     def _mtp_forward(
         self,
@@ -617,13 +617,13 @@ class GraphedTreeStep:
         window = self._slots(buf.tables, (L[:, None] + self.window_offsets).clamp(min=0))  # [B, W]
         last = (c - 1)[:, None, None].expand(B, 1, H)  # gather index of row c-1
         front_tok = front_prev = None
-        prev_catch = buf.rows0
+        catch_prev = [buf.rows0]  # the catch-up rows' previous-depth hidden states, in parts
         next_carry = []
         for m, plan in enumerate(self.plans, start=1):
             tok_parts, prev_parts = [], []
             if plan.catch_up:
                 tok_parts.append(buf.tail)
-                prev_parts.append(prev_catch)
+                prev_parts += catch_prev
             if plan.frontier:
                 assert front_tok is not None and front_prev is not None
                 tok_parts.append(front_tok)
@@ -633,9 +633,9 @@ class GraphedTreeStep:
             out = self._mtp_forward(buf, plan, window, tokens, prev)
             if plan.catch_up:
                 last_row = out[:, :C].gather(1, last)  # [B, 1, H] hidden at index L - m
-                if m < k:
+                if m < k:  # module m+1's catch-up rows: the carried row, then these rows
                     next_carry.append(last_row)
-                    prev_catch = torch.cat([buf.carry[:, m - 1 : m], out[:, : C - 1]], 1)
+                    catch_prev = [buf.carry[:, m - 1 : m], out[:, : C - 1]]
             if m <= D:  # the root's row at depth 1, the frontier rows deeper
                 front = last_row if m == 1 else out[:, C * plan.catch_up :]  # [B, F, H]
                 front_tok, front_prev = self._grow(m, front, buf)
@@ -654,19 +654,21 @@ class GraphedTreeStep:
         hidden = hidden.view(B, N + 1, -1)
         acc = self._accept(buf, tree_tok, hidden)
         path = acc.path  # [B, D+1]
-        buf.packed.copy_(torch.cat([
+        # The outputs are written in place (``out=``, views of the static buffers): each is one
+        # kernel, not a kernel and a copy.
+        torch.cat([
             acc.num_accepted, acc.bonus, tree_tok.gather(1, path), acc.has_child.long(),
             acc.sibling_rank.long(),
-        ], 1))  # fmt: skip
+        ], 1, out=buf.packed)  # fmt: skip
         # Next step's module-1 inputs: the verify hidden states of the accepted path.
-        buf.next_rows.copy_(hidden.gather(1, path[:, :, None].expand(B, D + 1, H)))
+        torch.gather(hidden, 1, path[:, :, None].expand(B, D + 1, H), out=buf.next_rows)
         if next_carry:
-            buf.next_carry.copy_(torch.cat(next_carry, 1))
+            torch.cat(next_carry, 1, out=buf.next_carry)
         # Rollback indices: accepted path -> contiguous slots L..L+a, everything else zeroed.
-        buf.src_slots.copy_(tree_slots.gather(1, path).reshape(-1))
-        buf.dst_slots.copy_(tree_slots[:, : D + 1].reshape(-1))
-        buf.keep.copy_(acc.on_path.reshape(-1))
-        buf.reject_slots.copy_(tree_slots[:, D + 1 :].reshape(-1))
+        torch.gather(tree_slots, 1, path, out=buf.src_slots.view(B, D + 1))
+        buf.dst_slots.view(B, D + 1).copy_(tree_slots[:, : D + 1])
+        buf.keep.view(B, D + 1).copy_(acc.on_path)
+        buf.reject_slots.view(B, N - D).copy_(tree_slots[:, D + 1 :])
 
     def _rollback(self, buf: _Buffers) -> None:
         """Move accepted target KV to contiguous slots, zero rejected slots and the scratch."""

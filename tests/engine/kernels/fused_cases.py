@@ -48,6 +48,29 @@ def check_rms_norm(name: str, device: str) -> tuple[float, float]:
     return (got.double() - want.double()).abs().max().item(), _tol(dtype)
 
 
+def check_mtp_input(name: str, device: str) -> tuple[float, float]:
+    """The fused MTP input rows against ``MTPLayer.fuse_inputs``' norms and concatenation."""
+    from engine.kernels.fused_layers import mtp_input
+
+    dtype, *_ = FUSED_CASES[name]
+    gen = torch.Generator().manual_seed(11)
+    hidden, vocab, n = 80, 50, 9
+    embed = (torch.randn(vocab, hidden, generator=gen) * 2).to(device=device, dtype=dtype)
+    enorm, hnorm = RMSNorm(hidden, eps=1e-6), RMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        for norm in (enorm, hnorm):
+            norm.weight.copy_(torch.randn(hidden, generator=gen))
+    enorm, hnorm = enorm.to(device=device, dtype=dtype), hnorm.to(device=device, dtype=dtype)
+    ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
+    prev = (torch.randn(n, hidden, generator=gen) * 3).to(device=device, dtype=dtype)
+    with torch.enable_grad():  # the PyTorch path of RMSNorm
+        want = torch.cat([enorm(embed[ids].requires_grad_(dtype.is_floating_point)),
+                          hnorm(prev.detach().requires_grad_())], dim=-1).detach()  # fmt: skip
+    got = mtp_input(ids, embed, prev, enorm.weight, enorm.eps, hnorm.weight, hnorm.eps)
+    assert got.dtype == dtype and got.shape == want.shape
+    return (got.double() - want.double()).abs().max().item(), _tol(dtype)
+
+
 def check_rope_latent(name: str, device: str) -> tuple[float, float]:
     from engine.kernels.fused_layers import rope_and_store_latent
 

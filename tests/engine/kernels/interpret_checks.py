@@ -26,7 +26,12 @@ from tests.engine.kernels.accept_cases import (
     check_accept_sampled,
     check_logprob_topk,
 )
-from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
+from tests.engine.kernels.fused_cases import (
+    FUSED_CASES,
+    check_mtp_input,
+    check_rms_norm,
+    check_rope_latent,
+)
 from tests.engine.kernels.tree_build_cases import (
     check_grow_frontier,
     check_mtp_rows,
@@ -127,6 +132,7 @@ def run_all() -> dict[str, dict]:
         **{f"compaction/{k}": (lambda k=k: _compaction_case(k)) for k in COMPACTION_CASES},
         **{f"rms_norm/{k}": (lambda k=k: check_rms_norm(k, "cpu")) for k in INTERPRETED_FUSED},
         **{f"rope_latent/{k}": (lambda k=k: check_rope_latent(k, "cpu")) for k in INTERPRETED_FUSED},
+        **{f"mtp_input/{k}": (lambda k=k: check_mtp_input(k, "cpu")) for k in INTERPRETED_FUSED},
         "accept/greedy_random_trees": lambda: check_accept_greedy("cpu"),
         "accept/logprob_topk": lambda: check_logprob_topk("cpu"),
         "accept/sampled_random_trees": lambda: check_accept_sampled("cpu"),

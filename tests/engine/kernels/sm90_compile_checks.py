@@ -41,9 +41,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "tree_grow_k4": ("tree_grow", dict(K=4, BLOCK_KK=16, BLOCK_H=1024), 4, 1),
     "tree_mtp_rows": ("tree_mtp_rows", dict(CATCH_UP=True, R=11, BLOCK_R=16, POS=0, WIN=1, QON=2, QOFF=3,
                                              KEEP=4), 4, 1),
+    "mtp_input_h768": ("mtp_input", dict(BLOCK=1024), 4, 1),  # the gpu preset's hidden size
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
-            "tree_tables_32", "tree_grow_k4", "tree_mtp_rows"]
+            "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768"]
 # Argument types of the tree kernels (the others' follow from their names, ``_arg_type``).
 TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp32", "logp_ptr": "*fp32",
               "new_score_ptr": "*fp32", "hidden_ptr": "*bf16", "new_hidden_ptr": "*bf16", "mask_ptr": "*i1",
@@ -54,6 +55,8 @@ def _arg_type(name: str, fp32: bool) -> str:
     """Triton signature type of a kernel argument, from its name."""
     if name in ("bt_ptr", "ctx_ptr", "qs_ptr", "qctx_ptr"):
         return "*i32"
+    if name == "ids_ptr":
+        return "*i64"
     if name == "mask_ptr":
         return "*u8"
     if name in ("part_acc_ptr", "part_ml_ptr"):
@@ -62,7 +65,7 @@ def _arg_type(name: str, fp32: bool) -> str:
         return "*i64"
     if name.endswith("_ptr"):
         return "*fp32" if fp32 else "*bf16"
-    if name == "qk_scale":
+    if name in ("qk_scale", "eps_e", "eps_h"):
         return "fp32"
     if name.startswith("stride"):
         return "i64"
@@ -75,6 +78,7 @@ def compile_variant(name: str) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from engine.kernels.compaction import _compact_and_zero_kernel
+    from engine.kernels.fused_layers import _mtp_input_kernel
     from engine.kernels.mtp_rows import _mtp_rows_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
@@ -83,7 +87,8 @@ def compile_variant(name: str) -> dict[str, Any]:
     kind, consts, num_warps, num_stages = VARIANTS[name]
     fn = {"attention": _tree_mla_fwd_kernel, "combine": _combine_splits_kernel,
           "compaction": _compact_and_zero_kernel, "tree_rank": _rank_kernel,
-          "tree_tables": _tables_kernel, "tree_grow": _grow_kernel, "tree_mtp_rows": _mtp_rows_kernel}[kind]  # fmt: skip
+          "tree_tables": _tables_kernel, "tree_grow": _grow_kernel, "tree_mtp_rows": _mtp_rows_kernel,
+          "mtp_input": _mtp_input_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {**consts, "BLOCK_R": 512, "BLOCK_P": 64,

@@ -12,7 +12,12 @@ from torch.testing import assert_close
 from engine.attention import paged_mla_attention, paged_mla_attention_reference
 from engine.kv.compaction import compact_and_zero
 from tests.engine.kernels.cases import make_case
-from tests.engine.kernels.fused_cases import FUSED_CASES, check_rms_norm, check_rope_latent
+from tests.engine.kernels.fused_cases import (
+    FUSED_CASES,
+    check_mtp_input,
+    check_rms_norm,
+    check_rope_latent,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,7 +85,7 @@ def test_fused_compaction_is_bit_exact_on_gpu() -> None:
 
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_fused_layer_kernels_match_the_pytorch_path(name: str) -> None:
-    for check in (check_rms_norm, check_rope_latent):
+    for check in (check_rms_norm, check_rope_latent, check_mtp_input):
         err, tol = check(name, "cuda")
         assert err <= tol, (check.__name__, err, tol)
 
