@@ -114,6 +114,8 @@ class LLMEngine:
         # (construction already waits: the start-up calibrations time the device).
         self._stream: torch.cuda.Stream | None = None
         self.model = model
+        if device.type == "cuda":
+            model.fuse_projections()  # before any graph is captured; a no-op when done
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids

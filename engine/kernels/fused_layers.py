@@ -8,6 +8,8 @@ keys plus the latent-cache write about sixteen. These kernels do each in one lau
 - ``rope_and_store_latent``: per token, computes cos/sin of its position, rotates the rope part
   of every head's query into a new tensor, and normalises ``c_kv``, rotates ``k_rope`` and
   stores ``[c_kv | k_rope]`` at the token's cache slot;
+- ``silu_mul``: the SwiGLU MLP's ``silu(gate) * up`` from the fused gate/up projection's output
+  (two kernels in PyTorch);
 - ``mtp_input``: an MTP module's input before ``eh_proj``, ``[enorm(embed(x)) | hnorm(h)]`` per
   row: the embedding lookup, both norms and the concatenation (four kernels) in one launch, at
   each of the drafting depths (the autoregressive step runs none of them).
@@ -16,7 +18,8 @@ Both round where the PyTorch path rounds (after the normalisation, cos/sin, each
 the rotation), so in bfloat16 they agree with it to the last bit but for the order of the fp32
 reduction and the last bit of fp32 cos/sin. References (the PyTorch path): ``RMSNorm`` in
 ``engine/model/layers.py``, ``MultiHeadLatentAttention._rope_and_store_latent`` in
-``engine/model/mla.py`` and ``MTPLayer.fuse_inputs`` in ``engine/model/decoder_layer.py``; tests: ``tests/engine/kernels/fused_cases.py``.
+``engine/model/mla.py``, ``MTPLayer.fuse_inputs`` in ``engine/model/decoder_layer.py`` and
+``SwiGLUMLP``'s unfused forward; tests: ``tests/engine/kernels/fused_cases.py``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,33 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
             rows, weight, out, rows.stride(0), D, eps, BLOCK=triton.next_power_of_2(D)
         )
     return out.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = col < I
+    gate = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + I + col, mask=ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu rounds to the dtype
+    tl.store(out_ptr + row * I + col, (silu * up).to(dtype), mask=ok)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [..., 2I] (gate, then up; last dim contiguous) -> silu(gate) * up [..., I]."""
+    width = gate_up.shape[-1]
+    assert width % 2 == 0 and gate_up.stride(-1) == 1
+    rows = gate_up.reshape(-1, width) if gate_up.dim() != 2 else gate_up
+    inner = width // 2
+    out = torch.empty(rows.shape[0], inner, dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0]:
+        block = min(1024, triton.next_power_of_2(inner))
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(inner, block))](
+            rows, out, rows.stride(0), inner, BLOCK=block
+        )
+    return out.view(*gate_up.shape[:-1], inner)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from torch import nn
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.decoder_layer import DecoderLayer, MTPLayer
-from engine.model.layers import Linear, RMSNorm
+from engine.model.layers import Linear, RMSNorm, SwiGLUMLP
 from engine.model.mla import MultiHeadLatentAttention
 from engine.model.rope import RotaryEmbedding
 
@@ -67,6 +67,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         layer = self.model.layers[self.config.num_hidden_layers + depth - 1]
         assert isinstance(layer, MTPLayer)
         return layer
+
+    def fuse_projections(self) -> None:
+        """Inference: every layer's linears that read the same input become one GEMM each (MLP
+        gate and up; MLA ``q_a_proj`` and ``kv_a_proj_with_mqa``), 2 fewer launches per layer.
+        Weights keep their names and values (views of the fused tensors). Idempotent."""
+        for module in self.modules():
+            if isinstance(module, SwiGLUMLP | MultiHeadLatentAttention):
+                module.fuse_projections()
 
     def mtp_cache_layer(self, depth: int) -> int:
         """Index of MTP module ``depth``'s latent cache in the KV pool's layer axis."""

@@ -1,5 +1,5 @@
-"""Small building blocks: Linear, RMSNorm and the SwiGLU MLP (dense layers, shared and routed
-experts)."""
+"""Small building blocks: Linear, RMSNorm, the SwiGLU MLP (dense layers, shared and routed
+experts), and the fusion of linears that share their input into one GEMM (inference)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,37 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def fuse_rows(*linears: nn.Linear) -> torch.Tensor | None:
+    """Inference: re-point the weights of ``linears`` (one input size, no bias) to row blocks of
+    one new tensor, and return it: ``F.linear(x, fused)`` then computes all of them in one GEMM
+    (on a GPU a small batch's projection is a ~4 us launch whatever its width). The parameters
+    keep their names and values as views of the fused tensor, so no memory is added and a
+    ``load_state_dict`` still lands in it. None (nothing changed) where a linear has a bias."""
+    if any(lin.bias is not None for lin in linears):
+        return None
+    fused = torch.cat([lin.weight.detach() for lin in linears])  # [sum of out, in]
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start : start + rows], requires_grad=lin.weight.requires_grad)
+        start += rows
+    return fused
+
+
+def still_fused(fused: torch.Tensor | None, *linears: nn.Linear) -> bool:
+    """Whether the linears' weights are still ``fused``'s row blocks (a ``.to()`` since, or a new
+    parameter, would have made them separate tensors again)."""
+    if fused is None:
+        return False
+    row_bytes = fused.element_size() * fused.shape[1]
+    start = 0
+    for lin in linears:
+        if lin.weight.data_ptr() != fused.data_ptr() + start * row_bytes:
+            return False
+        start += lin.weight.shape[0]
+    return True
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, scaled by a learned weight (as the DeepSeek-V3 reference)."""
 
@@ -59,6 +90,21 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self._gate_up: torch.Tensor | None = None  # [2I, H] after fuse_projections
+
+    def fuse_projections(self) -> None:
+        """Inference: gate and up projections as one GEMM (``fuse_rows``)."""
+        if not still_fused(self._gate_up, self.gate_proj, self.up_proj):
+            self._gate_up = fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if still_fused(self._gate_up, self.gate_proj, self.up_proj):
+            assert self._gate_up is not None
+            gate_up = F.linear(x, self._gate_up)  # [..., 2I]
+            if use_fused_kernels(x):
+                from engine.kernels.fused_layers import silu_mul
+
+                return self.down_proj(silu_mul(gate_up))  # silu(gate) * up in one launch
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

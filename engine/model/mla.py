@@ -20,7 +20,7 @@ from engine.attention import paged_mla_attention, write_kv
 from engine.kernels import use_fused_kernels
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import Linear, RMSNorm
+from engine.model.layers import Linear, RMSNorm, fuse_rows, still_fused
 from engine.model.rope import RotaryEmbedding, softmax_scale
 
 
@@ -49,6 +49,13 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
+        self._qkv_a: torch.Tensor | None = None  # [q_lora + kv_rank + rope, H] after fuse_projections
+
+    def fuse_projections(self) -> None:
+        """Inference: ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both read the layer input) as one
+        GEMM (``fuse_rows``); without a q LoRA there is nothing to fuse."""
+        if self.q_lora_rank and not still_fused(self._qkv_a, self.q_a_proj, self.kv_a_proj_with_mqa):
+            self._qkv_a = fuse_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
 
     # ---- shared pieces ----
     def _project_queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +75,17 @@ class MultiHeadLatentAttention(nn.Module):
         """x [..., H] -> c_kv [..., kv_rank] (normalised), k_rope [..., rope] (not rotated)."""
         kv = self.kv_a_proj_with_mqa(x)
         return self.kv_a_layernorm(kv[..., : self.kv_rank]), kv[..., self.kv_rank :]
+
+    def _project_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> q [N, heads, nope + rope] (rope part not rotated), kv [N, kv_rank + rope]
+        (``kv_a_proj_with_mqa``'s output); both first projections in one GEMM once fused."""
+        if self.q_lora_rank and still_fused(self._qkv_a, self.q_a_proj, self.kv_a_proj_with_mqa):
+            assert self._qkv_a is not None
+            a = F.linear(x, self._qkv_a)  # [N, q_lora + kv_rank + rope]
+            q = self.q_b_proj(self.q_a_layernorm(a[..., : self.q_lora_rank]))
+            q = q.view(*x.shape[:-1], self.num_heads, self.nope_dim + self.rope_dim)
+            return q, a[..., self.q_lora_rank :]
+        return self._project_queries(x), self.kv_a_proj_with_mqa(x)
 
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [heads, nope, kv_rank], W_UV [heads, v, kv_rank] from kv_b_proj."""
@@ -132,19 +150,18 @@ class MultiHeadLatentAttention(nn.Module):
         computes cos/sin where it applies, else they are computed here.
         """
         norm = self.kv_a_layernorm
+        q, kv = self._project_inputs(x)  # [N, heads, nope + rope], [N, kv_rank + rope]
         if rope_tables is None and self.fused_kernels_apply(x):
             from engine.kernels.fused_layers import rope_and_store_latent
 
-            q = self._project_queries(x)
-            kv = self.kv_a_proj_with_mqa(x)  # [N, kv_rank + rope]
             q_rope = rope_and_store_latent(
                 q, kv, norm.weight, norm.eps, batch.positions, rope.inv_freq, rope.attention_factor,
                 kv_cache, batch.slot_mapping, self.nope_dim, rope.interleave,
             )  # one launch for cos/sin, the rotations, the norm and the cache write
             return q[..., : self.nope_dim], q_rope
         cos, sin = rope_tables if rope_tables is not None else rope.cos_sin(batch.positions, x.dtype)
-        q_nope, q_rope = self._queries(x)  # [N, heads, nope], [N, heads, rope]
-        c_kv, k_rope = self._latents(x)  # [N, kv_rank], [N, rope]
+        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
+        c_kv, k_rope = norm(kv[..., : self.kv_rank]), kv[..., self.kv_rank :]
         q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])
         k_rope = rope.rotate(k_rope, cos, sin)
         write_kv(kv_cache, batch.slot_mapping, torch.cat([c_kv, k_rope], dim=-1))

@@ -256,6 +256,10 @@ class _Buffers:
         # Outputs.
         P = D + 1
         self.packed = torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, device=dev)
+        # Its host copy (pinned on a GPU: an asynchronous copy, waited for by ``copied``).
+        cuda = dev.type == "cuda"
+        self.packed_host = torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
         self.next_rows = torch.zeros(bucket, P, H, dtype=g.dtype, device=dev)
         self.next_carry = torch.zeros_like(self.carry)
         self.src_slots = torch.zeros(bucket * P, dtype=torch.long, device=dev)
@@ -455,6 +459,11 @@ class GraphedTreeStep:
             graph.replay()
         else:
             self._draft_verify_accept(buf)
+        # The results go to the host first: the rollback and the advance then run on the
+        # device while the host reads them (``_finish``), not before.
+        buf.packed_host.copy_(buf.packed, non_blocking=buf.copied is not None)
+        if buf.copied is not None:
+            buf.copied.record()
         timing = self._timed_rollback(buf)
         if buf.advance_graph is not None:
             buf.advance_graph.replay()
@@ -551,7 +560,9 @@ class GraphedTreeStep:
         # The static outputs are overwritten by the next replay: copy them out, once.
         next_rows = buf.next_rows[:n].clone()  # [n, P, H]
         next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
-        packed_array = buf.packed[:n].cpu().numpy()  # the step's one device -> host copy
+        if buf.copied is not None:
+            buf.copied.synchronize()  # the step's one device -> host copy (``run``)
+        packed_array = buf.packed_host[:n].numpy()  # a view: the next step's copy reuses it
         packed = packed_array.tolist()
         num_accepted = [row[0] for row in packed]
         committed_now: list[int] = []
@@ -573,9 +584,8 @@ class GraphedTreeStep:
             room = min(room, len(s.block_ids) * bs - L - a - 1)
         steady.fits = room >= self.capacity_needed_past_committed
         buf.steady = steady
-        return StepResults(
-            tokens, num_accepted, packed_array[:, 3 + D : 4 + 2 * D], packed_array[:, 4 + 2 * D : 5 + 3 * D]
-        )
+        return StepResults(tokens, num_accepted, packed_array[:, 3 + D : 4 + 2 * D].copy(),
+                           packed_array[:, 4 + 2 * D : 5 + 3 * D].copy())  # fmt: skip
 
     # ------------------------------------------------------------------ device program
     def _slots(self, tables: Tensor, positions: Tensor) -> Tensor:

@@ -48,6 +48,21 @@ def check_rms_norm(name: str, device: str) -> tuple[float, float]:
     return (got.double() - want.double()).abs().max().item(), _tol(dtype)
 
 
+def check_silu_mul(name: str, device: str) -> tuple[float, float]:
+    """The fused ``silu(gate) * up`` against ``SwiGLUMLP``'s PyTorch ops on a fused projection's
+    rows (a width that is not a power of two, so the column blocks are masked)."""
+    from engine.kernels.fused_layers import silu_mul
+
+    dtype, *_ = FUSED_CASES[name]
+    gen = torch.Generator().manual_seed(13)
+    gate_up = (torch.randn(7, 2 * 1100, generator=gen) * 4).to(device=device, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == want.shape
+    return (got.double() - want.double()).abs().max().item(), _tol(dtype) * 4
+
+
 def check_mtp_input(name: str, device: str) -> tuple[float, float]:
     """The fused MTP input rows against ``MTPLayer.fuse_inputs``' norms and concatenation."""
     from engine.kernels.fused_layers import mtp_input

@@ -42,9 +42,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "tree_mtp_rows": ("tree_mtp_rows", dict(CATCH_UP=True, R=11, BLOCK_R=16, POS=0, WIN=1, QON=2, QOFF=3,
                                              KEEP=4), 4, 1),
     "mtp_input_h768": ("mtp_input", dict(BLOCK=1024), 4, 1),  # the gpu preset's hidden size
+    "silu_mul_1024": ("silu_mul", dict(BLOCK=1024), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
-            "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768"]
+            "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024"]
 # Argument types of the tree kernels (the others' follow from their names, ``_arg_type``).
 TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp32", "logp_ptr": "*fp32",
               "new_score_ptr": "*fp32", "hidden_ptr": "*bf16", "new_hidden_ptr": "*bf16", "mask_ptr": "*i1",
@@ -78,7 +79,7 @@ def compile_variant(name: str) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from engine.kernels.compaction import _compact_and_zero_kernel
-    from engine.kernels.fused_layers import _mtp_input_kernel
+    from engine.kernels.fused_layers import _mtp_input_kernel, _silu_mul_kernel
     from engine.kernels.mtp_rows import _mtp_rows_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
@@ -88,7 +89,7 @@ def compile_variant(name: str) -> dict[str, Any]:
     fn = {"attention": _tree_mla_fwd_kernel, "combine": _combine_splits_kernel,
           "compaction": _compact_and_zero_kernel, "tree_rank": _rank_kernel,
           "tree_tables": _tables_kernel, "tree_grow": _grow_kernel, "tree_mtp_rows": _mtp_rows_kernel,
-          "mtp_input": _mtp_input_kernel}[kind]  # fmt: skip
+          "mtp_input": _mtp_input_kernel, "silu_mul": _silu_mul_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {**consts, "BLOCK_R": 512, "BLOCK_P": 64,

@@ -15,6 +15,7 @@ from tests.engine.kernels.cases import make_case
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
     check_mtp_input,
+    check_silu_mul,
     check_rms_norm,
     check_rope_latent,
 )
@@ -85,7 +86,7 @@ def test_fused_compaction_is_bit_exact_on_gpu() -> None:
 
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_fused_layer_kernels_match_the_pytorch_path(name: str) -> None:
-    for check in (check_rms_norm, check_rope_latent, check_mtp_input):
+    for check in (check_rms_norm, check_rope_latent, check_mtp_input, check_silu_mul):
         err, tol = check(name, "cuda")
         assert err <= tol, (check.__name__, err, tol)
 
