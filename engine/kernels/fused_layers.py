@@ -68,15 +68,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, inner, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = col < I
+    ok = col < inner
     gate = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + I + col, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inner + col, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu rounds to the dtype
-    tl.store(out_ptr + row * I + col, (silu * up).to(dtype), mask=ok)
+    tl.store(out_ptr + row * inner + col, (silu * up).to(dtype), mask=ok)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

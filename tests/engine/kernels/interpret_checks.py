@@ -29,9 +29,9 @@ from tests.engine.kernels.accept_cases import (
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
     check_mtp_input,
-    check_silu_mul,
     check_rms_norm,
     check_rope_latent,
+    check_silu_mul,
 )
 from tests.engine.kernels.tree_build_cases import (
     check_grow_frontier,

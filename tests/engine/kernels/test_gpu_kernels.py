@@ -15,9 +15,9 @@ from tests.engine.kernels.cases import make_case
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
     check_mtp_input,
-    check_silu_mul,
     check_rms_norm,
     check_rope_latent,
+    check_silu_mul,
 )
 
 pytestmark = [
