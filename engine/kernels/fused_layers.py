@@ -8,6 +8,8 @@ keys plus the latent-cache write about sixteen. These kernels do each in one lau
 - ``rope_and_store_latent``: per token, computes cos/sin of its position, rotates the rope part
   of every head's query into a new tensor, and normalises ``c_kv``, rotates ``k_rope`` and
   stores ``[c_kv | k_rope]`` at the token's cache slot;
+- ``add_rms_norm``: the residual add and the next norm, ``s = x + delta``, ``weight *
+  rms_norm(s)`` (two kernels in PyTorch, at every residual of every layer);
 - ``silu_mul``: the SwiGLU MLP's ``silu(gate) * up`` from the fused gate/up projection's output
   (two kernels in PyTorch);
 - ``mtp_input``: an MTP module's input before ``eh_proj``, ``[enorm(embed(x)) | hnorm(h)]`` per
@@ -65,6 +67,36 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
             rows, weight, out, rows.stride(0), D, eps, BLOCK=triton.next_power_of_2(D)
         )
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride_d, D, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * stride_d + offs, mask=ok, other=0.0).to(tl.float32)
+    total = _round(x + d, dtype)  # the residual stream, rounded as the PyTorch add rounds it
+    tl.store(sum_ptr + row * D + offs, total.to(dtype), mask=ok)
+    normed = _round(total * tl.rsqrt(tl.sum(total * total, axis=0) / D + eps), dtype)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, (w * normed).to(dtype), mask=ok)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """x, delta [N, D] (last dim contiguous) -> (x + delta, weight * rms_norm(x + delta)), new
+    tensors in x's dtype."""
+    N, D = x.shape
+    assert delta.shape == x.shape and x.stride(-1) == 1 and delta.stride(-1) == 1
+    total = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(total)
+    if N:
+        _add_rms_norm_kernel[(N,)](x, delta, weight, total, out, x.stride(0), delta.stride(0), D, eps,
+                                   BLOCK=triton.next_power_of_2(D))  # fmt: skip
+    return total, out
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from torch import nn
 from engine.kernels import use_fused_kernels
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import Linear, RMSNorm, SwiGLUMLP
+from engine.model.layers import Linear, RMSNorm, SwiGLUMLP, add_rms_norm
 from engine.model.mla import MultiHeadLatentAttention
 from engine.model.moe import MoE
 from engine.model.rope import RotaryEmbedding
@@ -27,14 +27,23 @@ class DecoderLayer(nn.Module):
 
     def forward_paged(
         self,
-        x: torch.Tensor,  # [N, H]
+        x: torch.Tensor,  # [N, H] residual stream
         rope: RotaryEmbedding,
         rope_tables: tuple[torch.Tensor, torch.Tensor] | None,  # cos, sin [N, rope/2]; None: fused
         batch: AttentionBatch,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, latent]
-    ) -> torch.Tensor:
-        x = x + self.self_attn.forward_paged(self.input_layernorm(x), rope, rope_tables, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        pending: torch.Tensor | None = None,  # [N, H] the previous layer's MLP output, not yet added
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual stream, this layer's MLP output, not yet added). Each residual add is
+        done with the norm that follows it (``add_rms_norm``: one launch on a GPU); the caller
+        adds the last one with its final norm."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = add_rms_norm(self.input_layernorm, x, pending)
+        attn = self.self_attn.forward_paged(h, rope, rope_tables, batch, kv_cache)
+        x, h = add_rms_norm(self.post_attention_layernorm, x, attn)
+        return x, self.mlp(h)
 
     def forward_dense(
         self,

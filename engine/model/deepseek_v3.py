@@ -17,7 +17,7 @@ from torch import nn
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.decoder_layer import DecoderLayer, MTPLayer
-from engine.model.layers import Linear, RMSNorm, SwiGLUMLP
+from engine.model.layers import Linear, RMSNorm, SwiGLUMLP, add_rms_norm
 from engine.model.mla import MultiHeadLatentAttention
 from engine.model.rope import RotaryEmbedding
 
@@ -143,9 +143,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Main model on the batch's new tokens -> final-normed hidden [N, H]."""
         x = self.model.embed_tokens(input_ids)
         rope_tables = self._rope_tables(x, batch)
+        pending = None  # a layer's MLP output, added by the next norm (DecoderLayer.forward_paged)
         for i, layer in enumerate(self.main_layers):
-            x = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[i])
-        return self.model.norm(x)
+            x, pending = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[i], pending)
+        return self.model.norm(x) if pending is None else add_rms_norm(self.model.norm, x, pending)[1]
 
     def _mtp_input(self, depth: int, prev_hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[MTPLayer, torch.Tensor]:
         """Module ``depth`` and its fused input [N, H] (token embedding and depth-1 hidden)."""
@@ -163,8 +164,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         """MTP module ``depth`` -> its normalised hidden [N, H] (logits via ``self.logits``)."""
         layer, x = self._mtp_input(depth, prev_hidden, input_ids)
         rope_tables = self._rope_tables(x, batch)
-        x = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])
-        return layer.shared_head.norm(x)
+        x, pending = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])
+        return add_rms_norm(layer.shared_head.norm, x, pending)[1]
 
     def write_mtp_latents(
         self,

@@ -82,6 +82,17 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def add_rms_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the norm after it: x, delta [N, H] -> (x + delta, norm(x + delta)).
+    One launch in inference on a GPU (``engine.kernels.fused_layers.add_rms_norm``)."""
+    if x.dim() == 2 and norm.weight.dtype == x.dtype == delta.dtype and use_fused_kernels(x):
+        from engine.kernels.fused_layers import add_rms_norm as fused
+
+        return fused(x, delta, norm.weight, norm.eps)
+    total = x + delta
+    return total, norm(total)
+
+
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); checkpoint names gate_proj / up_proj / down_proj."""
 

@@ -48,6 +48,28 @@ def check_rms_norm(name: str, device: str) -> tuple[float, float]:
     return (got.double() - want.double()).abs().max().item(), _tol(dtype)
 
 
+def check_add_rms_norm(name: str, device: str) -> tuple[float, float]:
+    """The fused residual add + norm against ``x + delta`` and ``RMSNorm``'s PyTorch path, both
+    outputs; ``delta`` strided like a slice of a wider projection output."""
+    from engine.kernels.fused_layers import add_rms_norm
+
+    dtype, *_ = FUSED_CASES[name]
+    gen = torch.Generator().manual_seed(17)
+    norm = RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    norm = norm.to(device=device, dtype=dtype)
+    x = (torch.randn(6, 96, generator=gen) * 3).to(device=device, dtype=dtype)
+    delta = (torch.randn(6, 120, generator=gen) * 3).to(device=device, dtype=dtype)[:, 4:100]
+    want_sum = x + delta
+    with torch.enable_grad():
+        want = norm(want_sum.detach().requires_grad_()).detach()
+    got_sum, got = add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert got.dtype == dtype and got.shape == want.shape
+    return max((got_sum.double() - want_sum.double()).abs().max().item(),
+               (got.double() - want.double()).abs().max().item()), _tol(dtype)
+
+
 def check_silu_mul(name: str, device: str) -> tuple[float, float]:
     """The fused ``silu(gate) * up`` against ``SwiGLUMLP``'s PyTorch ops on a fused projection's
     rows (a width that is not a power of two, so the column blocks are masked)."""

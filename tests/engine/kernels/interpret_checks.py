@@ -28,6 +28,7 @@ from tests.engine.kernels.accept_cases import (
 )
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
+    check_add_rms_norm,
     check_mtp_input,
     check_rms_norm,
     check_rope_latent,
@@ -135,6 +136,7 @@ def run_all() -> dict[str, dict]:
         **{f"rope_latent/{k}": (lambda k=k: check_rope_latent(k, "cpu")) for k in INTERPRETED_FUSED},
         **{f"mtp_input/{k}": (lambda k=k: check_mtp_input(k, "cpu")) for k in INTERPRETED_FUSED},
         **{f"silu_mul/{k}": (lambda k=k: check_silu_mul(k, "cpu")) for k in INTERPRETED_FUSED},
+        **{f"add_rms_norm/{k}": (lambda k=k: check_add_rms_norm(k, "cpu")) for k in INTERPRETED_FUSED},
         "accept/greedy_random_trees": lambda: check_accept_greedy("cpu"),
         "accept/logprob_topk": lambda: check_logprob_topk("cpu"),
         "accept/sampled_random_trees": lambda: check_accept_sampled("cpu"),

@@ -43,9 +43,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
                                              KEEP=4), 4, 1),
     "mtp_input_h768": ("mtp_input", dict(BLOCK=1024), 4, 1),  # the gpu preset's hidden size
     "silu_mul_1024": ("silu_mul", dict(BLOCK=1024), 4, 1),
+    "add_rms_norm_h768": ("add_rms_norm", dict(BLOCK=1024), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
-            "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024"]
+            "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768"]
 # Argument types of the tree kernels (the others' follow from their names, ``_arg_type``).
 TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp32", "logp_ptr": "*fp32",
               "new_score_ptr": "*fp32", "hidden_ptr": "*bf16", "new_hidden_ptr": "*bf16", "mask_ptr": "*i1",
@@ -66,7 +67,7 @@ def _arg_type(name: str, fp32: bool) -> str:
         return "*i64"
     if name.endswith("_ptr"):
         return "*fp32" if fp32 else "*bf16"
-    if name in ("qk_scale", "eps_e", "eps_h"):
+    if name in ("qk_scale", "eps", "eps_e", "eps_h"):
         return "fp32"
     if name.startswith("stride"):
         return "i64"
@@ -79,7 +80,11 @@ def compile_variant(name: str) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from engine.kernels.compaction import _compact_and_zero_kernel
-    from engine.kernels.fused_layers import _mtp_input_kernel, _silu_mul_kernel
+    from engine.kernels.fused_layers import (
+        _add_rms_norm_kernel,
+        _mtp_input_kernel,
+        _silu_mul_kernel,
+    )
     from engine.kernels.mtp_rows import _mtp_rows_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
@@ -89,7 +94,8 @@ def compile_variant(name: str) -> dict[str, Any]:
     fn = {"attention": _tree_mla_fwd_kernel, "combine": _combine_splits_kernel,
           "compaction": _compact_and_zero_kernel, "tree_rank": _rank_kernel,
           "tree_tables": _tables_kernel, "tree_grow": _grow_kernel, "tree_mtp_rows": _mtp_rows_kernel,
-          "mtp_input": _mtp_input_kernel, "silu_mul": _silu_mul_kernel}[kind]  # fmt: skip
+          "mtp_input": _mtp_input_kernel, "silu_mul": _silu_mul_kernel,
+          "add_rms_norm": _add_rms_norm_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {**consts, "BLOCK_R": 512, "BLOCK_P": 64,

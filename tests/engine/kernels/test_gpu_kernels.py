@@ -14,6 +14,7 @@ from engine.kv.compaction import compact_and_zero
 from tests.engine.kernels.cases import make_case
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
+    check_add_rms_norm,
     check_mtp_input,
     check_rms_norm,
     check_rope_latent,
@@ -86,7 +87,8 @@ def test_fused_compaction_is_bit_exact_on_gpu() -> None:
 
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_fused_layer_kernels_match_the_pytorch_path(name: str) -> None:
-    for check in (check_rms_norm, check_rope_latent, check_mtp_input, check_silu_mul):
+    for check in (check_rms_norm, check_rope_latent, check_mtp_input, check_silu_mul,
+                  check_add_rms_norm):
         err, tol = check(name, "cuda")
         assert err <= tol, (check.__name__, err, tol)
 

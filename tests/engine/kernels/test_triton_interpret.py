@@ -24,7 +24,7 @@ from tests.engine.kernels.interpret_checks import (
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CASE_NAMES = [f"attention/{k}" for k in ATTENTION_CASES] + [
     f"compaction/{k}" for k in COMPACTION_CASES
-] + [f"{kind}/{k}" for kind in ("rms_norm", "rope_latent", "mtp_input", "silu_mul") for k in INTERPRETED_FUSED] + [
+] + [f"{kind}/{k}" for kind in ("rms_norm", "rope_latent", "mtp_input", "silu_mul", "add_rms_norm") for k in INTERPRETED_FUSED] + [
     "accept/greedy_random_trees", "accept/logprob_topk", "accept/sampled_random_trees",
     "tree/grow_frontier", "tree/select", "tree/mtp_rows",
 ]
