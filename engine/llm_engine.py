@@ -203,6 +203,9 @@ class LLMEngine:
         # The draft budget of the last step's decode (``budget_label``; None: it decoded
         # nothing): what the metrics count per budget, adaptive speculation's choices.
         self.last_decode_budget: str | None = None
+        # Adaptive: the last decode step's budget when it drafted (None: it decoded
+        # autoregressively, or nothing yet): new prompts are then caught up in their prefill.
+        self._last_drafting: TreeBudget | None = None
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
         # Adaptive: the batch summary after an autoregressive step, for the next step's choice.
@@ -432,6 +435,7 @@ class LLMEngine:
         self.sampled_acceptance = AcceptanceCounter()
         self.last_timings = StepTimings()
         self.last_decode_budget = None
+        self._last_drafting = None
         self._summary = None
         self._yield_clock = (0, 0.0)
         self._steps_since_arrival = 0
@@ -515,6 +519,7 @@ class LLMEngine:
             )
             budget, lag, sampled = self._choose_budget(decode, bool(plan.prefill), closed)
             self.last_decode_budget = budget_label(budget)
+            self._last_drafting = budget if budget.speculates else None
             if self.adaptive is not None and plan.prefill:
                 self.wait_for_device()  # time the decode work alone
             start = time.perf_counter()
@@ -644,9 +649,11 @@ class LLMEngine:
                     seq.yield_clock = (*self._yield_clock, seq.stats.num_accepted_tokens)
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
             # Catch the MTP modules up over the prompt now, so that the first decode step can
-            # already take a device step. Adaptive engines leave it to the first speculative
-            # step: where autoregressive decoding wins (large batches) it is never paid.
-            runners = self._graphed_steps(self.budget) if self.adaptive is None else []
+            # already take a device step. Adaptive engines do so while their last decode step
+            # drafted (small batches), else leave it to the first speculative step: where
+            # autoregressive decoding wins (large batches) it is never paid.
+            drafting = self.budget if self.adaptive is None else self._last_drafting
+            runners = self._graphed_steps(drafting) if drafting is not None else []
             if runners and self.drafter is not None:
                 ready = [
                     seq for seq, _ in finishing

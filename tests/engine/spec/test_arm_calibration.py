@@ -119,3 +119,27 @@ def test_the_snapshots_arm_costs_carry_the_yield_the_choice_counts_on(small_voca
         assert greedy[(b, "none")]["tokens_per_seq"] == 1.0
         assert greedy[(b, budget_label(tree))]["tokens_per_seq"] == 3.5
         assert greedy[(b, budget_label(chain))]["tokens_per_seq"] == arms.arm_yield(False, chain) == 3.0
+
+
+@pytest.mark.parametrize("drafted", [True, False])
+def test_a_prompt_is_caught_up_in_its_prefill_while_the_engine_drafts(small_vocab_dir: Path, drafted: bool) -> None:
+    """After a drafting step, a new prompt's MTP modules are caught up in its prefill (its first
+    decode step is a steady graphed step); after an autoregressive one they are left behind
+    (no catch-up where autoregressive decoding wins)."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
+                                    engine_config=EngineConfig(cuda_graphs=True, max_batch_size=4))  # fmt: skip
+    assert eng.adaptive is not None and eng.graphed_tree is not None
+    tree = eng.graphed_tree.budget
+    eng.adaptive.forced = tree if drafted else NO_SPEC
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eng.add_request("first", [3, 1, 4, 1, 5], sp)
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.adaptive.forced = tree
+    eng.add_request("second", [2, 5, 1, 0, 2, 3], sp)
+    eng.step()  # the prefill alone
+    seq = eng.sequence("second")
+    assert seq is not None and seq.num_committed == 6
+    assert eng.graphed_tree.eligible(seq) == drafted
+    eng.step()
+    assert eng._step_caught_up != drafted  # the first decode step caught up only if the prefill did not
