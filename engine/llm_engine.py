@@ -649,10 +649,14 @@ class LLMEngine:
                     seq.yield_clock = (*self._yield_clock, seq.stats.num_accepted_tokens)
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
             # Catch the MTP modules up over the prompt now, so that the first decode step can
-            # already take a device step. Adaptive engines do so while their last decode step
-            # drafted (small batches), else leave it to the first speculative step: where
-            # autoregressive decoding wins (large batches) it is never paid.
-            drafting = self.budget if self.adaptive is None else self._last_drafting
+            # already take a device step. Adaptive engines leave it to the first speculative
+            # step (where autoregressive decoding wins it is never paid, and while a batch
+            # fills its choice weighs the catch-up), unless their last decode step drafted and
+            # nothing else is joining the batch: a request arriving alone at a drafting batch.
+            # (Caught up in every prefill, the H200's closed batch of 256 drafted as it filled,
+            # its catch-ups uncounted: 0.85x autoregressive decoding.)
+            alone = not self.scheduler.num_waiting and len(finishing) == len(work)
+            drafting = self.budget if self.adaptive is None else self._last_drafting if alone else None
             runners = self._graphed_steps(drafting) if drafting is not None else []
             if runners and self.drafter is not None:
                 ready = [

@@ -143,3 +143,23 @@ def test_a_prompt_is_caught_up_in_its_prefill_while_the_engine_drafts(small_voca
     assert eng.graphed_tree.eligible(seq) == drafted
     eng.step()
     assert eng._step_caught_up != drafted  # the first decode step caught up only if the prefill did not
+
+
+def test_prompts_admitted_together_are_left_to_the_choice(small_vocab_dir: Path) -> None:
+    """While a batch fills (more prompts in prefill or waiting), a drafting engine does not catch them up in
+    their prefill: the adaptive choice weighs that catch-up (lag rows) first."""
+    cfg = EngineConfig(cuda_graphs=True, max_batch_size=4, prefill_chunk_tokens=8)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=cfg)
+    assert eng.adaptive is not None and eng.graphed_tree is not None
+    eng.adaptive.forced = eng.graphed_tree.budget
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eng.add_request("first", [3, 1, 4, 1, 5], sp)
+    while eng.has_unfinished_requests():
+        eng.step()
+    for i in range(3):
+        eng.add_request(f"r{i}", [2, 5, 1, 0, 2, 3], sp)
+    eng.step()  # prefills what the token budget admits: r0, part of r1
+    r1 = eng.sequence("r1")
+    assert r1 is not None and r1.in_prefill
+    seq = eng.sequence("r0")
+    assert seq is not None and seq.num_committed == 6 and not eng.graphed_tree.eligible(seq)
