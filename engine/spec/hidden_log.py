@@ -28,38 +28,52 @@ MAX_LOGGED_STEPS = 256  # steps kept before the rows are handed out (bounds the 
 class HiddenLog:
     def __init__(self, max_steps: int = MAX_LOGGED_STEPS) -> None:
         self.max_steps = max_steps
-        self._steps: list[tuple[tuple[Sequence, ...], torch.Tensor]] = []
+        # Runs of consecutive steps over the same batch: (its sequences, each step's [B, H]).
+        # A closed batch decoding autoregressively is one run until a sequence finishes, so the
+        # flush's host work grows with the batches seen, not with the rows (a flush of 64 steps
+        # of 256 finished sequences took 2.5 ms of a 2-core host's time row by row).
+        self._runs: list[tuple[tuple[Sequence, ...], list[torch.Tensor]]] = []
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._steps)
+        return self._count
 
     def append(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """Log one autoregressive step: row i of ``hidden`` [B, H] is ``seqs[i]``'s newest
         committed position (count it committed before the next flush)."""
-        self._steps.append((tuple(seqs), hidden))
-        if len(self._steps) >= self.max_steps:
+        batch = tuple(seqs)
+        if self._runs and self._runs[-1][0] == batch:  # Sequence compares by identity
+            self._runs[-1][1].append(hidden)
+        else:
+            self._runs.append((batch, [hidden]))
+        self._count += 1
+        if self._count >= self.max_steps:
             self.flush()
 
     def flush(self) -> None:
-        """Hand every logged row to its sequence's MTP queue (finished sequences' are dropped)."""
-        if not self._steps:
+        """Hand every logged row to its sequence's MTP queue (finished sequences' are dropped):
+        one gather for all of them."""
+        if not self._runs:
             return
-        rows_of: dict[Sequence, list[int]] = {}
+        rows_of: dict[Sequence, list[torch.Tensor]] = {}  # flat row indices, oldest first
+        steps: list[torch.Tensor] = []
         offset = 0
-        for seqs, _ in self._steps:
-            for i, seq in enumerate(seqs):
-                rows = rows_of.get(seq)
-                if rows is None:
-                    rows_of[seq] = [offset + i]
-                else:
-                    rows.append(offset + i)
-            offset += len(seqs)
-        live = [(s, rows) for s, rows in rows_of.items() if s.status is not SeqStatus.FINISHED]
-        if live:
-            hidden = [h for _, h in self._steps]
-            flat = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # [R, H]
-            index = torch.tensor([r for _, rows in live for r in rows], device=flat.device)
-            parts = flat.index_select(0, index).split([len(rows) for _, rows in live])
-            for (seq, rows), part in zip(live, parts, strict=True):
-                seq.push_hidden(0, seq.num_committed - len(rows), part)
-        self._steps.clear()
+        for batch, hidden in self._runs:
+            width = len(batch)
+            live = [i for i, s in enumerate(batch) if s.status is not SeqStatus.FINISHED]
+            if live:
+                step_rows = offset + torch.arange(len(hidden)) * width  # [n] row 0 of each step
+                rows = torch.tensor(live)[:, None] + step_rows[None, :]  # [L, n]
+                for i, seq_rows in zip(live, rows, strict=True):
+                    rows_of.setdefault(batch[i], []).append(seq_rows)
+            steps += hidden
+            offset += len(hidden) * width
+        if rows_of:
+            flat = steps[0] if len(steps) == 1 else torch.cat(steps)  # [R, H]
+            per_seq = [(seq, idx[0] if len(idx) == 1 else torch.cat(idx)) for seq, idx in rows_of.items()]
+            index = torch.cat([idx for _, idx in per_seq]).to(flat.device)
+            parts = flat.index_select(0, index).split([len(idx) for _, idx in per_seq])
+            for (seq, idx), part in zip(per_seq, parts, strict=True):
+                seq.push_hidden(0, seq.num_committed - len(idx), part)
+        self._runs.clear()
+        self._count = 0

@@ -60,6 +60,24 @@ def test_flush_hands_each_sequence_its_rows_at_its_newest_positions() -> None:
     assert rows_a is not None and rows_a[-1, 0].item() == 300.0 and rows_a.shape[0] == 8
 
 
+def test_runs_of_steps_over_one_batch_keep_each_sequences_rows_in_order() -> None:
+    """Consecutive steps over the same batch are logged as one run (``[a, b]`` three times, a
+    new list of the same sequences each time); rows still reach each sequence oldest first
+    across runs whose batch changed."""
+    a, b, c = _seq("a", 1), _seq("b", 1), _seq("c", 1)
+    log = HiddenLog()
+    for step in range(3):
+        _step(log, [a, b], step)
+    for step in range(3, 5):
+        _step(log, [b, a, c], step)
+    _step(log, [c, a], 5)
+    assert len(log._runs) == 3 and len(log) == 6
+    log.flush()
+    assert a.hidden_rows(0)[1:, 0].tolist() == [0.0, 100.0, 200.0, 301.0, 401.0, 501.0]  # type: ignore[index]
+    assert b.hidden_rows(0)[1:, 0].tolist() == [1.0, 101.0, 201.0, 300.0, 400.0]  # type: ignore[index]
+    assert c.hidden_rows(0)[1:, 0].tolist() == [302.0, 402.0, 500.0]  # type: ignore[index]
+
+
 def test_a_full_log_hands_its_rows_out() -> None:
     a = _seq("a", 1)
     log = HiddenLog(max_steps=4)
