@@ -30,19 +30,28 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
+def _random_norm(dim: int, gen: torch.Generator, device: str, dtype: torch.dtype, eps: float = 1e-6) -> RMSNorm:
+    norm = RMSNorm(dim, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen))
+    return norm.to(device=device, dtype=dtype)
+
+
+def _torch_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``RMSNorm``'s PyTorch path (under autograd it cannot take the fused one)."""
+    with torch.enable_grad():
+        return norm(x.detach().requires_grad_(x.dtype.is_floating_point)).detach()
+
+
 def check_rms_norm(name: str, device: str) -> tuple[float, float]:
     from engine.kernels.fused_layers import rms_norm
 
     dtype, *_ = FUSED_CASES[name]
     gen = torch.Generator().manual_seed(5)
-    norm = RMSNorm(96, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(96, generator=gen))
-    norm = norm.to(device=device, dtype=dtype)
+    norm = _random_norm(96, gen, device, dtype)
     wide = (torch.randn(7, 130, generator=gen) * 3).to(device=device, dtype=dtype)
     x = wide[:, 10:106]  # [7, 96] rows strided like a slice of a projection output
-    with torch.enable_grad():
-        want = norm(x.detach().requires_grad_(dtype.is_floating_point)).detach()
+    want = _torch_norm(norm, x)
     got = rms_norm(x, norm.weight, norm.eps)
     assert got.dtype == dtype and got.shape == want.shape
     return (got.double() - want.double()).abs().max().item(), _tol(dtype)
@@ -55,15 +64,11 @@ def check_add_rms_norm(name: str, device: str) -> tuple[float, float]:
 
     dtype, *_ = FUSED_CASES[name]
     gen = torch.Generator().manual_seed(17)
-    norm = RMSNorm(96, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(96, generator=gen))
-    norm = norm.to(device=device, dtype=dtype)
+    norm = _random_norm(96, gen, device, dtype)
     x = (torch.randn(6, 96, generator=gen) * 3).to(device=device, dtype=dtype)
     delta = (torch.randn(6, 120, generator=gen) * 3).to(device=device, dtype=dtype)[:, 4:100]
     want_sum = x + delta
-    with torch.enable_grad():
-        want = norm(want_sum.detach().requires_grad_()).detach()
+    want = _torch_norm(norm, want_sum)
     got_sum, got = add_rms_norm(x, delta, norm.weight, norm.eps)
     assert got.dtype == dtype and got.shape == want.shape
     return max((got_sum.double() - want_sum.double()).abs().max().item(),
@@ -93,16 +98,10 @@ def check_mtp_input(name: str, device: str) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(11)
     hidden, vocab, n = 80, 50, 9
     embed = (torch.randn(vocab, hidden, generator=gen) * 2).to(device=device, dtype=dtype)
-    enorm, hnorm = RMSNorm(hidden, eps=1e-6), RMSNorm(hidden, eps=1e-5)
-    with torch.no_grad():
-        for norm in (enorm, hnorm):
-            norm.weight.copy_(torch.randn(hidden, generator=gen))
-    enorm, hnorm = enorm.to(device=device, dtype=dtype), hnorm.to(device=device, dtype=dtype)
+    enorm, hnorm = _random_norm(hidden, gen, device, dtype), _random_norm(hidden, gen, device, dtype, eps=1e-5)
     ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
     prev = (torch.randn(n, hidden, generator=gen) * 3).to(device=device, dtype=dtype)
-    with torch.enable_grad():  # the PyTorch path of RMSNorm
-        want = torch.cat([enorm(embed[ids].requires_grad_(dtype.is_floating_point)),
-                          hnorm(prev.detach().requires_grad_())], dim=-1).detach()  # fmt: skip
+    want = torch.cat([_torch_norm(enorm, embed[ids]), _torch_norm(hnorm, prev)], dim=-1)
     got = mtp_input(ids, embed, prev, enorm.weight, enorm.eps, hnorm.weight, hnorm.eps)
     assert got.dtype == dtype and got.shape == want.shape
     return (got.double() - want.double()).abs().max().item(), _tol(dtype)
