@@ -520,7 +520,12 @@ class LLMEngine:
             budget, lag, sampled = self._choose_budget(decode, bool(plan.prefill), closed)
             self.last_decode_budget = budget_label(budget)
             self._last_drafting = budget if budget.speculates else None
-            if self.adaptive is not None and plan.prefill:
+            # A drafting step next to a prefill is timed alone (its cost decides the next choices);
+            # an autoregressive one is not timed: the wait would stall the device while the host
+            # builds the step (4 prefill steps per round of the H200's batch 256), and the many
+            # steps without a prefill measure what it costs.
+            timed = self.adaptive is not None and (budget.speculates or not plan.prefill)
+            if timed and plan.prefill:
                 self.wait_for_device()  # time the decode work alone
             start = time.perf_counter()
             host_step = False  # a host-driven speculative step leaves device work queued
@@ -536,7 +541,7 @@ class LLMEngine:
                     host_step = True
             else:
                 self._autoregressive_step(decode, outputs)
-            if self.adaptive is not None:
+            if self.adaptive is not None and timed:
                 # Autoregressive and graphed steps end on a read of their last device result (the
                 # sampled tokens, the packed outputs), so the clock already covers their device
                 # work; only the host path's KV compaction is still queued.

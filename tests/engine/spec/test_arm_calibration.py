@@ -163,3 +163,24 @@ def test_prompts_admitted_together_are_left_to_the_choice(small_vocab_dir: Path)
     assert r1 is not None and r1.in_prefill
     seq = eng.sequence("r0")
     assert seq is not None and seq.num_committed == 6 and not eng.graphed_tree.eligible(seq)
+
+
+def test_an_autoregressive_step_next_to_a_prefill_is_not_timed(small_vocab_dir: Path) -> None:
+    """Timing it alone would stall the device (a wait after the prefill); the steps without a
+    prefill measure what an autoregressive step costs."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    eng.adaptive.forced = NO_SPEC
+    observed: list[int] = []
+    observe = eng.adaptive.observe
+    eng.adaptive.observe = lambda n, *a, **k: observed.append(n) or observe(n, *a, **k)  # type: ignore[method-assign]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng.add_request("first", [3, 1, 4, 1, 5], sp)
+    eng.step()  # its prefill (no decode yet)
+    eng.step()  # a decode step alone: timed
+    assert observed == [1]
+    eng.add_request("second", [2, 5, 1], sp)
+    eng.step()  # the second's prefill next to the first's autoregressive step: not timed
+    assert observed == [1]
+    eng.step()  # both decode: timed
+    assert observed == [1, 2]
