@@ -660,8 +660,10 @@ class LLMEngine:
             # nothing else is joining the batch: a request arriving alone at a drafting batch.
             # (Caught up in every prefill, the H200's closed batch of 256 drafted as it filled,
             # its catch-ups uncounted: 0.85x autoregressive decoding.)
-            alone = not self.scheduler.num_waiting and len(finishing) == len(work)
-            drafting = self.budget if self.adaptive is None else self._last_drafting if alone else None
+            drafting: TreeBudget | None = self.budget
+            if self.adaptive is not None:
+                alone = not self.scheduler.num_waiting and len(finishing) == len(work)
+                drafting = self._last_drafting if alone else None
             runners = self._graphed_steps(drafting) if drafting is not None else []
             if runners and self.drafter is not None:
                 ready = [
