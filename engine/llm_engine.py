@@ -43,6 +43,7 @@ from engine.sampling import (
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
 from engine.simulator.tree_shape import TreeShape
+from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
@@ -281,6 +282,8 @@ class LLMEngine:
         tokenizer = _load_tokenizer(folder)
         eos = _eos_ids(folder, model.config)
         engine = cls(model, tokenizer, eos, spec or SpecConfig(), engine_config or EngineConfig(), torch_device)
+        if engine.adaptive is not None:  # what to expect of the MTP modules before measuring them
+            engine.adaptive.prior = acceptance_prior(folder)
         engine.startup_seconds = {**timer.seconds, **engine.startup_seconds}
         return engine
 

@@ -47,6 +47,7 @@ from engine.simulator import (
     expected_length,
     optimal_tree,
 )
+from engine.spec.acceptance_prior import DEFAULT_PRIOR
 from engine.spec.arm_calibration import ArmTiming, calibrate_arms
 from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
@@ -54,7 +55,6 @@ from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-PRIOR = AcceptanceStats.chain([0.6, 0.5, 0.45, 0.4, 0.4, 0.4])
 MIN_STEPS_FOR_LIVE_STATS = 32
 REPLAN_MAX_RECORDS = 16384
 PREDICT_GROWTH = 1.25  # the arms' yields are re-predicted when the statistics grow by this factor
@@ -79,6 +79,10 @@ class AdaptiveController:
         # sampled -> (verify steps counted, choices made) when the captured arms' yields were
         # last predicted.
         self._predicted_at: dict[bool, tuple[int, int]] = {}
+        # The acceptance assumed before live statistics, per kind of step (sampled or not):
+        # the model folder's (``engine.spec.acceptance_prior``; ``from_pretrained`` sets it).
+        self.prior: dict[bool, AcceptanceStats] = {False: DEFAULT_PRIOR, True: DEFAULT_PRIOR}
+        self._prior_predicted: set[bool] = set()  # kinds whose arms the prior's yields were set for
         self._choices = 0  # choices made (``choose`` calls)
         # An arm every step takes while set (start-up calibration: ``engine.spec.arm_calibration``).
         self.forced: TreeBudget | None = None
@@ -168,6 +172,12 @@ class AdaptiveController:
         steps = counter.num_steps
         known = self._predicted_at.get(sampled)
         if steps < MIN_STEPS_FOR_LIVE_STATS:
+            # Until then, the prior's (``engine.spec.acceptance_prior``): with no yield, a
+            # drafting arm must be run to be valued, and at a batch whose catch-up no exploring
+            # run may pay for (256 prompts) the engine never drafted.
+            if sampled not in self._prior_predicted:
+                self._prior_predicted.add(sampled)
+                self._set_yields(sampled, arms, self.prior[sampled])
             return
         # Re-predicted as the statistics grow by a quarter, but not within PREDICT_EVERY choices
         # of the last: the optimiser's tree costs ~2 ms of host time on the H200's host, and
@@ -178,9 +188,12 @@ class AdaptiveController:
             stats = AcceptanceStats.from_dict(counter.snapshot())
         except ValueError:  # counters not yet usable (e.g. no node ever offered children)
             return
+        self._set_yields(sampled, arms, stats)
+        self._predicted_at[sampled] = (steps, self._choices)
+
+    def _set_yields(self, sampled: bool, arms: list[TreeBudget], stats: AcceptanceStats) -> None:
         for arm in arms:
             self.arms.set_predicted_yield(sampled, arm, expected_length(self._shape(arm, stats), stats))
-        self._predicted_at[sampled] = (steps, self._choices)
 
     @staticmethod
     def _shape(arm: TreeBudget, stats: AcceptanceStats) -> TreeShape:
@@ -217,11 +230,11 @@ class AdaptiveController:
     def _stats(self, engine: LLMEngine) -> AcceptanceStats:
         snapshot = engine.acceptance.snapshot()
         if int(snapshot["num_steps"]) < MIN_STEPS_FOR_LIVE_STATS:  # type: ignore[call-overload]
-            return PRIOR
+            return self.prior[False]
         try:
             return AcceptanceStats.from_dict(snapshot)
         except ValueError:
-            return PRIOR
+            return self.prior[False]
 
 
 def budget_label(budget: TreeBudget) -> str:

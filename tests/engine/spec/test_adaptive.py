@@ -111,7 +111,10 @@ def test_the_arms_yields_are_the_simulators_under_the_live_statistics(monkeypatc
 
     eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
     controller.choose(eng, 1)  # type: ignore[arg-type]
-    assert controller.arms.arm_yield(False, MAX) is None, "no statistics yet: nothing predicted"
+    prior = controller.prior[False]
+    assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(
+        expected_length(TreeShape.chain(CHAIN.depth), prior)
+    ), "no statistics yet: the prior's yields"
     for i in range(40):  # paths accepted to depth 1..4 through ranks 0 and 1
         a = 1 + i % 4
         eng.acceptance.record_path([True] * (a + 1), [i % 2 if d == 0 else 0 for d in range(a)])
@@ -181,3 +184,30 @@ def test_the_host_path_leaves_the_model_to_its_planned_tree(monkeypatch: pytest.
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, CHAIN) is None
     assert controller.arms.arm_yield(False, controller._planned_tree(eng)) is None  # type: ignore[arg-type]
+
+
+def test_before_live_statistics_the_arms_are_valued_by_the_model_folders_prior(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prior set from the model folder (``engine.spec.acceptance_prior``) gives the captured
+    arms their yields before any verify step, greedy and sampled each from its own rates;
+    live statistics replace it once enough verify steps are counted."""
+    from engine.simulator import AcceptanceStats, TreeShape, expected_length, optimal_tree
+
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
+    eng.graphed_budgets = lambda sampled: [MAX, CHAIN]
+    eng.sampled_acceptance = AcceptanceCounter()
+    good, poor = AcceptanceStats.chain([0.9] * 8), AcceptanceStats.chain([0.3] * 8)
+    controller.prior = {False: good, True: poor}
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    controller.choose(eng, 1, sampled=True)  # type: ignore[arg-type]
+    for sampled, stats in ((False, good), (True, poor)):
+        tree = optimal_tree(stats, MAX.num_draft_tokens, MAX.depth, MAX.topk)
+        assert controller.arms.arm_yield(sampled, MAX) == pytest.approx(expected_length(tree, stats))
+        chain = expected_length(TreeShape.chain(CHAIN.depth), stats)
+        assert controller.arms.arm_yield(sampled, CHAIN) == pytest.approx(chain)
+    assert controller.arms.arm_yield(False, CHAIN) > 3.0 > controller.arms.arm_yield(True, CHAIN)  # type: ignore[operator]
+    for _ in range(adaptive.MIN_STEPS_FOR_LIVE_STATS):  # every path stops at the root
+        eng.acceptance.record_path([True], [], [1])
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(1.0), "live statistics replace it"

@@ -501,3 +501,19 @@ def test_no_run_to_learn_a_yield_whose_catch_up_the_horizon_cannot_pay() -> None
     arms.catch_up.observe(16384, 0.05)
     chosen = [arms.choose(256, False, ARMS, 16384, tokens_left=64) for _ in range(40)]
     assert chosen == [NO_SPEC] * 40
+
+
+
+@pytest.mark.parametrize(("chain", "tree", "drafts"), [(3.2, 3.7, True), (1.5, 1.6, False)])
+def test_a_predicted_yield_lets_a_large_batch_draft_without_an_exploring_run(
+    chain: float, tree: float, drafts: bool
+) -> None:
+    """The same batch of 256 with the arms' yields predicted (the model folder's acceptance
+    prior, before any verify step): where the chain's saving over the 64 tokens left pays its
+    catch-up and drain, the batch drafts at once rather than never learning what drafting
+    yields; a poor model's prior (1.5 tokens a step) keeps it autoregressive."""
+    arms = _seeded((256,), CALIBRATED)
+    arms.catch_up.observe(16384, 0.05)
+    arms.set_predicted_yield(False, CHAIN, chain)
+    arms.set_predicted_yield(False, TREE, tree)
+    assert arms.choose(256, False, ARMS, 16384, tokens_left=64) == (CHAIN if drafts else NO_SPEC)
