@@ -46,10 +46,15 @@ from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM, mtp_band_mask
 from engine.sequence import Sequence
 
-# (sequences, rows per sequence) captured: a prompt's rows, a lag of a few hundred tokens.
+# (sequences, rows per sequence) captured: a prompt's rows, a lag of a few hundred tokens. Row
+# buckets double: a 64-token prompt behind by a few autoregressive tokens (a closed batch that
+# decoded while it filled) is 65-70 rows, and with buckets of 64 and 256 it took 16 replays of
+# 16 sequences x 256 rows at the H200's batch 256 (75% padding; the first drafting step of each
+# round ~100 ms, the round 270 ms) where 4 replays of 64 x 128 do.
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = (
     (1, 16), (4, 16), (16, 16), (64, 16),
     (1, 64), (4, 64), (16, 64), (64, 64),
+    (1, 128), (4, 128), (16, 128), (64, 128),
     (1, 256), (4, 256), (16, 256),
 )  # fmt: skip
 

@@ -191,3 +191,17 @@ def test_engine_with_static_paths_catches_prompts_up_in_static_shapes(small_voca
     assert [o.token_ids for o in outs] == [o.token_ids for o in base.generate(prompts, params)]
     assert calls and calls[0] == 2  # both prompts, every module, in the first replay
     assert static.module_runs == 0  # nothing needed per-module replays
+
+
+def test_a_prompt_behind_by_a_few_tokens_is_caught_up_64_sequences_a_replay(small_vocab_dir: Path) -> None:
+    """A closed batch of 64-token prompts that decoded a few tokens while it filled is 65-70 rows
+    behind: the default shapes take it 64 sequences per replay (rows bucket 128), not 16 (bucket
+    256: the H200's batch 256 paid 16 padded replays in the first drafting step of each round)."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="tree"),
+                                    engine_config=EngineConfig(cuda_graphs=True, max_batch_size=256))  # fmt: skip
+    static = eng.drafter.static_catch_up if eng.drafter is not None else None
+    assert static is not None and static.max_rows == 256
+    assert static._shape_for(256, 64) == (64, 64)
+    assert static._shape_for(256, 67) == (64, 128)
+    assert static._shape_for(3, 100) == (4, 128)
+    assert static._shape_for(16, 200) == (16, 256)
