@@ -157,7 +157,8 @@ class MeasuredArms:
         # How yields spread over sequences: what a closed batch's drain costs (engine.spec.drain).
         self.spread = YieldSpread()
         # The simulator's tokens per sequence per step of each drafting arm (sampled, arm).
-        self._predicted: dict[tuple[bool, TreeBudget], float] = {}
+        # (sampled, arm) -> (predicted tokens per step, the sequence-steps it counts as)
+        self._predicted: dict[tuple[bool, TreeBudget], tuple[float, float]] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -210,27 +211,34 @@ class MeasuredArms:
         mean += (tokens / batch_size - mean) * weight
         self._yield[(sampled, arm)] = (mean, n + batch_size)
 
-    def set_predicted_yield(self, sampled: bool, arm: TreeBudget, tokens_per_step: float) -> None:
+    def set_predicted_yield(
+        self, sampled: bool, arm: TreeBudget, tokens_per_step: float, weight: float = YIELD_PRIOR_SEQ_STEPS
+    ) -> None:
         """The simulator's expected tokens per sequence per step of drafting ``arm`` (its
-        shape's expected accepted length plus the bonus token, under live statistics)."""
+        shape's expected accepted length plus the bonus token, under live statistics), counting
+        as ``weight`` sequence-steps of measurement (less for a prior than for live statistics)."""
         if not tokens_per_step >= 1.0:
             raise ValueError(f"a predicted yield is at least 1 token per step, got {tokens_per_step}")
-        self._predicted[(sampled, arm)] = tokens_per_step
+        if not weight > 0.0:
+            raise ValueError(f"a prediction's weight must be positive, got {weight}")
+        self._predicted[(sampled, arm)] = (tokens_per_step, weight)
 
     def arm_yield(self, sampled: bool, arm: TreeBudget) -> float | None:
         """Tokens per sequence per step ``arm`` is expected to yield: the simulator's prediction
         averaged with the measured yield (an EWMA over ~``1 / YIELD_RATE`` sequence-steps, so it
-        counts as at most that many), the prediction weighing ``YIELD_PRIOR_SEQ_STEPS``; either
-        alone where the other is missing (None: neither)."""
+        counts as at most that many), the prediction weighing what it was set with
+        (``YIELD_PRIOR_SEQ_STEPS`` for live statistics); either alone where the other is
+        missing (None: neither)."""
         measured = self._yield.get((sampled, arm))
         predicted = self._predicted.get((sampled, arm))
         if predicted is None:
             return None if measured is None else measured[0]
+        value, prior = predicted
         if measured is None:
-            return predicted
+            return value
         mean, seen = measured
         weight = min(float(seen), 1.0 / YIELD_RATE)
-        return (mean * weight + predicted * YIELD_PRIOR_SEQ_STEPS) / (weight + YIELD_PRIOR_SEQ_STEPS)
+        return (mean * weight + value * prior) / (weight + prior)
 
     def mean_yield(self, sampled: bool, arm: TreeBudget) -> float:
         """Tokens per sequence per step ``arm`` has produced over all its steps (1.0 before any):

@@ -412,6 +412,18 @@ def test_an_arm_yield_is_the_prediction_averaged_with_the_measurement() -> None:
     assert arms.arm_yield(False, CHAIN) == 3.0  # no prediction: the measurement alone
     with pytest.raises(ValueError, match="at least 1 token"):
         arms.set_predicted_yield(False, TREE, 0.5)
+    with pytest.raises(ValueError, match="weight"):
+        arms.set_predicted_yield(False, TREE, 2.0, weight=0.0)
+
+
+def test_a_weak_prediction_yields_to_a_few_measured_steps() -> None:
+    """A prior that knows rank 0 only (a model folder's training log) under-predicts a tree;
+    set with the weight of one sequence-step, three measured steps outweigh it."""
+    arms = MeasuredArms()
+    arms.set_predicted_yield(False, TREE, 3.7, weight=1.0)
+    for _ in range(3):
+        arms.observe(1, False, TREE, 0.0013, 5)
+    assert arms.arm_yield(False, TREE) == pytest.approx((5.0 * 3 + 3.7) / 4)
 
 
 def test_an_arm_seen_on_a_few_poor_steps_is_valued_by_the_model() -> None:
