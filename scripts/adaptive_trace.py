@@ -23,6 +23,7 @@ from bench.contenders import load_base
 from bench.engine_run import run_batch, synchronize
 from bench.prompts import load_prompts
 from engine import LLMEngine, SamplingParams, SpecConfig
+from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.adaptive import budget_label
 
 
@@ -83,6 +84,8 @@ def main() -> None:
     base = load_base(args.model, args.device, dtype, max(batches), args.prompt_tokens + args.max_new_tokens, None)
     adaptive = LLMEngine(base.model, base.tokenizer, base.eos_token_ids, SpecConfig(method="adaptive"),
                          base.config, base.device)
+    assert adaptive.adaptive is not None
+    adaptive.adaptive.prior = acceptance_prior(args.model)  # as ``LLMEngine.from_pretrained`` does
     prompts, source = load_prompts(args.model, base.tokenizer, base.model_config.vocab_size, max(batches),
                                    args.prompt_tokens)
     print(f"model {args.model} on {args.device} ({dtype}), prompts {source}")
