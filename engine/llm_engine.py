@@ -775,7 +775,10 @@ class LLMEngine:
         """(sequences ``fast`` takes this step, the others)."""
         if fast.continues(seqs):  # its last step's batch, untouched: no per-sequence checks
             return seqs, []
-        ready = [fast.eligible(s) for s in seqs]
+        # Sequences of its last step untouched since need no check either (``eligible`` would
+        # hand out their deferred MTP rows, which the step gathers on the device instead).
+        rows = fast.continuing(seqs) or [-1] * len(seqs)
+        ready = [row >= 0 or fast.eligible(s) for s, row in zip(seqs, rows, strict=True)]
         lagging = [s for s, ok in zip(seqs, ready, strict=True) if not ok and fast.serves(s.sampling)]
         if lagging and self.drafter is not None:
             # MTP modules behind (autoregressive steps in between, a host step that stopped

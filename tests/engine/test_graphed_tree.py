@@ -8,12 +8,15 @@ MTP state, same acceptance), leave no draft KV behind, and hand sequences it can
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.outputs import RequestOutput
+from engine.sequence import Sequence
+from engine.spec.graphed_tree import GraphedTreeStep
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3, 1, 4, 0], [4] * 20, [5, 1, 2, 2, 3, 1]]
@@ -278,23 +281,7 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
         if ok:  # the advanced inputs are what the general path would load, on the rows it loads
             g, buf = next((r, b) for r in runners for b in r._buffers.values() if b.steady is self)
             steady_in.append(type(g).__name__)
-            assert buf.live.tolist() == [i < len(seqs) for i in range(buf.bucket)]
-            for i, s in enumerate(seqs):
-                L = s.num_committed
-                c = L - s.mtp_committed[0]
-                assert (int(buf.L[i]), int(buf.c[i])) == (L, c)
-                assert buf.tail[i].tolist() == s.tokens[L - c + 1 : L + 1] + [0] * (g.C - c)
-                # The rows the last step deferred (read without handing them out, which would
-                # send the next step down the general path).
-                assert s.deferred is not None
-                source, index = s.deferred
-                pending = source.hidden_of(index)
-                assert len(pending) == g.k
-                assert torch.equal(buf.rows0[i, :c], pending[0])
-                for d in range(1, g.k):
-                    assert torch.equal(buf.carry[i, d - 1 : d], pending[d])
-            for i in range(len(seqs), buf.bucket):  # padding rows stay dummies
-                assert (int(buf.L[i]), int(buf.c[i]), buf.tail[i].tolist()) == (g.k, 1, [0] * g.C)
+            _assert_inputs_are_the_batchs(g, buf, seqs)
         return ok
 
     monkeypatch.setattr(graphed_tree._SteadyRows, "holds", checked_holds)
@@ -325,6 +312,79 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     got3 = _serve(eng, sampled)
     assert [len(o.token_ids) for o in got3.values()] == list(lengths)
     assert steady_in.count("GraphedSampledTree") >= 5, steady_in
+
+
+def _assert_inputs_are_the_batchs(g: GraphedTreeStep, buf: Any, seqs: list[Sequence]) -> None:
+    """The bucket's inputs are what the general path loads for ``seqs``, row by row (pending
+    rows read through ``deferred`` without handing them out), and its padding rows dummies."""
+    assert buf.live.tolist() == [i < len(seqs) for i in range(buf.bucket)]
+    for i, s in enumerate(seqs):
+        L = s.num_committed
+        c = L - s.mtp_committed[0]
+        assert (int(buf.L[i]), int(buf.c[i])) == (L, c)
+        assert buf.tail[i].tolist() == s.tokens[L - c + 1 : L + 1] + [0] * (g.C - c)
+        assert buf.tables[i, : len(s.block_ids)].tolist() == s.block_ids
+        if s.deferred is not None:
+            source, index = s.deferred
+            pending = source.hidden_of(index)
+        else:
+            pending = [s.pending_hidden[d] for d in range(g.k)]
+        assert len(pending) == g.k
+        assert torch.equal(buf.rows0[i, :c], pending[0])
+        for d in range(1, g.k):
+            assert torch.equal(buf.carry[i, d - 1 : d], pending[d])
+    for i in range(len(seqs), buf.bucket):  # padding rows stay dummies
+        assert (int(buf.L[i]), int(buf.c[i]), buf.tail[i].tolist()) == (g.k, 1, [0] * g.C)
+
+
+def test_a_batch_some_of_whose_requests_finished_is_gathered_on_the_device(small_vocab_dir: Path) -> None:
+    """Requests leaving the batch (and one joining) do not send the others through the host
+    load: their inputs, advanced by the last step, are gathered on the device into their new
+    rows (also into a smaller bucket), the newcomer loaded from the host beside them; the inputs
+    are what the general path would load, and the tokens the autoregressive ones."""
+    eng, _ = _engine(small_vocab_dir, SPECS[1])
+    g = eng.graphed_tree
+    assert g is not None
+    gathered: list[int] = []
+    loaded: list[int] = []
+    gather, load, load_inputs = g._gather_inputs, g._load_fresh, g._load_inputs
+
+    def gather_traced(src: Any, dst: Any, to: list[int], rows: list[int]) -> None:
+        gathered.append(len(to))
+        gather(src, dst, to, rows)
+
+    def load_traced(buf: Any, seqs: list[Sequence], *args: Any) -> None:
+        loaded.append(len(seqs))
+        load(buf, seqs, *args)
+
+    def load_checked(buf: Any, seqs: list[Sequence]) -> list[int]:
+        c = load_inputs(buf, seqs)
+        _assert_inputs_are_the_batchs(g, buf, seqs)
+        return c
+
+    g._gather_inputs = gather_traced  # type: ignore[method-assign]
+    g._load_fresh = load_traced  # type: ignore[method-assign]
+    g._load_inputs = load_checked  # type: ignore[method-assign]
+    lengths = (9, 14, 30, 36, 36)  # five requests: bucket 8, then 4 when two have left
+    requests = {f"r{i}": (PROMPTS[i % len(PROMPTS)] + [i % 6], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for i, n in enumerate(lengths)}  # fmt: skip
+    late = ("late", ([3, 1, 4, 1, 5], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+    want = _serve(base, {**requests, late[0]: late[1]})
+    for rid, (prompt, params) in requests.items():
+        eng.add_request(rid, prompt, params)
+    got: dict[str, RequestOutput] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        if steps == 5:  # joins a running batch: loaded from the host beside the gathered rows
+            eng.add_request(late[0], *late[1])
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = o
+        steps += 1
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+    assert gathered and any(n < len(lengths) for n in gathered), gathered
+    assert any(n == 1 for n in loaded), f"the late request alone loaded from the host: {loaded}"
 
 
 @pytest.mark.parametrize("method", ["none", "tree", "adaptive"])
