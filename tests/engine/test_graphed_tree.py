@@ -337,13 +337,17 @@ def _assert_inputs_are_the_batchs(g: GraphedTreeStep, buf: Any, seqs: list[Seque
         assert (int(buf.L[i]), int(buf.c[i]), buf.tail[i].tolist()) == (g.k, 1, [0] * g.C)
 
 
-def test_a_batch_some_of_whose_requests_finished_is_gathered_on_the_device(small_vocab_dir: Path) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_batch_some_of_whose_requests_finished_is_gathered_on_the_device(
+    small_vocab_dir: Path, temperature: float
+) -> None:
     """Requests leaving the batch (and one joining) do not send the others through the host
     load: their inputs, advanced by the last step, are gathered on the device into their new
     rows (also into a smaller bucket), the newcomer loaded from the host beside them; the inputs
-    are what the general path would load, and the tokens the autoregressive ones."""
+    are what the general path would load, and greedy tokens the autoregressive ones (the
+    sampled step gathers the same way)."""
     eng, _ = _engine(small_vocab_dir, SPECS[1])
-    g = eng.graphed_tree
+    g = eng.graphed_tree if temperature == 0.0 else eng.graphed_sampled
     assert g is not None
     gathered: list[int] = []
     loaded: list[int] = []
@@ -366,9 +370,10 @@ def test_a_batch_some_of_whose_requests_finished_is_gathered_on_the_device(small
     g._load_fresh = load_traced  # type: ignore[method-assign]
     g._load_inputs = load_checked  # type: ignore[method-assign]
     lengths = (9, 14, 30, 36, 36)  # five requests: bucket 8, then 4 when two have left
-    requests = {f"r{i}": (PROMPTS[i % len(PROMPTS)] + [i % 6], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    requests = {f"r{i}": (PROMPTS[i % len(PROMPTS)] + [i % 6],
+                          SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True))
                 for i, n in enumerate(lengths)}  # fmt: skip
-    late = ("late", ([3, 1, 4, 1, 5], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
+    late = ("late", ([3, 1, 4, 1, 5], SamplingParams(max_tokens=20, temperature=temperature, ignore_eos=True)))
     base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
     want = _serve(base, {**requests, late[0]: late[1]})
     for rid, (prompt, params) in requests.items():
@@ -382,7 +387,9 @@ def test_a_batch_some_of_whose_requests_finished_is_gathered_on_the_device(small
             if o.finished:
                 got[o.request_id] = o
         steps += 1
-    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+    if temperature == 0.0:
+        assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+    assert {r: len(o.token_ids) for r, o in got.items()} == {r: len(o.token_ids) for r, o in want.items()}
     assert gathered and any(n < len(lengths) for n in gathered), gathered
     assert any(n == 1 for n in loaded), f"the late request alone loaded from the host: {loaded}"
 
