@@ -109,6 +109,31 @@ def test_freed_blocks_are_zeroed_and_reported(small_vocab_dir: Path) -> None:
     assert eng.pool.zeroed_bytes_total == events[0].bytes
 
 
+def test_requests_finishing_in_one_step_are_zeroed_together_when_it_ends(small_vocab_dir: Path) -> None:
+    """Three requests finishing in the same step: their blocks are zeroed and returned in one
+    pool call at the step's end (one device copy and fill, not one per request), each reported;
+    an abort outside a step returns its blocks at once."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+    calls: list[list[int]] = []
+    free = eng.pool.free
+    eng.pool.free = lambda blocks: calls.append(list(blocks)) or free(blocks)  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"r{i}", [1, 2, 3 + i], params)
+    eng.add_request("aborted", [2, 2, 2], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    while len(eng._requests) > 1:
+        eng.step()
+    assert len(calls) == 1 and len(calls[0]) == len(set(calls[0])) > 0
+    assert eng.pool.kv_cache[:, calls[0]].abs().sum().item() == 0
+    events = eng.drain_zero_events()
+    assert sorted(e.request_id for e in events) == ["r0", "r1", "r2"]  # type: ignore[type-var]
+    assert sum(e.bytes for e in events) == len(calls[0]) * eng.pool.bytes_per_block
+    used = eng.kv_blocks_used
+    eng.abort_request("aborted")
+    assert len(calls) == 2 and eng.kv_blocks_used == used - len(calls[1]) == 0
+    assert torch.count_nonzero(eng.pool.kv_cache) == 0
+
+
 def _adaptive_with_cheap_verify(folder: Path):  # type: ignore[no-untyped-def]
     """An adaptive engine whose latency model makes speculation look worthwhile."""
     from engine.simulator import LatencyModel
