@@ -986,9 +986,16 @@ class LLMEngine:
             self._finish(seq, reason)
 
     def _truncate_committed(self, seq: Sequence) -> None:
-        """A stop inside an accepted path: forget (and zero) KV past the new pending token."""
+        """A stop inside an accepted path: forget KV past the new pending token. It is zeroed now
+        only where the sequence keeps its blocks (a session's next turn continues from them); a
+        request that ends releases its blocks, zeroed whole when the step ends (``_release``),
+        and its MTP rows go with it (a copy and a fill per request had each waited for the
+        device, and most requests of a closed batch stop inside a path)."""
         assert not self._hidden_log, "autoregressive steps never truncate; speculative ones flush"
         keep = len(seq.tokens) - 1
+        if not self._keeps_blocks(seq):
+            seq.num_committed = keep
+            return
         table = torch.tensor(seq.block_ids)
         positions = torch.arange(keep, seq.num_committed)
         bs = self.pool.block_size
@@ -1013,10 +1020,14 @@ class LLMEngine:
         tokens = seq.stats.num_accepted_tokens - last_accepted - accepted0 + steps
         self.adaptive.arms.observe_finished(tokens, expected - expected0, steps)
 
+    def _keeps_blocks(self, seq: Sequence) -> bool:
+        """Whether ``seq`` keeps its KV blocks when its request ends (an open session's)."""
+        return seq.session_id is not None and seq.session_id in self._sessions
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self._requests.pop(seq.request_id, None)
-        if seq.session_id is not None and seq.session_id in self._sessions:
+        if self._keeps_blocks(seq):
             seq.status = SeqStatus.IDLE
             self._trim_session_blocks(seq)
             return

@@ -178,6 +178,40 @@ def test_graphed_stop_inside_path_and_second_session_turn(small_vocab_dir: Path)
     assert g_calls > 0
 
 
+def test_a_request_ending_inside_a_path_is_zeroed_with_its_blocks(small_vocab_dir: Path) -> None:
+    """Requests whose max_tokens cut an accepted path: nothing is zeroed for the cut itself (their
+    blocks are zeroed whole when the step ends); a session's turn cut the same way zeroes the
+    entries past its last token at once, since it keeps its blocks for the next turn."""
+    eng, _ = _engine(small_vocab_dir, SPECS[1])
+    truncated: list[tuple[bool, int]] = []  # (keeps its blocks, slot fills during the cut)
+    fills: list[int] = []
+    zero_slots, truncate = eng.pool.zero_slots, eng._truncate_committed
+    eng.pool.zero_slots = lambda slots, layers=None: fills.append(len(slots)) or zero_slots(slots, layers)  # type: ignore[method-assign]
+
+    def traced(seq: Sequence) -> None:
+        before = len(fills)
+        truncate(seq)
+        truncated.append((eng._keeps_blocks(seq), len(fills) - before))
+
+    eng._truncate_committed = traced  # type: ignore[method-assign]
+    lengths = (5, 6, 7, 9, 11)
+    scratch = eng.kv_blocks_used  # the graphed steps' own scratch blocks
+    requests = {f"r{n}": (PROMPTS[2], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for n in lengths}
+    outs = _serve(eng, requests)
+    assert [len(outs[f"r{n}"].token_ids) for n in lengths] == list(lengths)
+    assert truncated and all(cut == 0 for keeps, cut in truncated if not keeps)
+    assert torch.count_nonzero(eng.pool.kv_cache) == 0 and eng.kv_blocks_used == scratch
+    eng.open_session("s")
+    for n in range(3, 30):  # turns until one ends inside a path
+        eng.add_request(f"turn-{n}", PROMPTS[n % len(PROMPTS)],
+                        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), session_id="s")  # fmt: skip
+        while eng.has_unfinished_requests():
+            eng.step()
+        if any(keeps for keeps, _ in truncated):
+            break
+    assert any(keeps and cut > 0 for keeps, cut in truncated), truncated
+
+
 @pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: f"{s.method}-{s.topk}-{s.depth}-{s.num_draft_tokens}")
 def test_graphed_sampled_step_at_low_temperature_follows_greedy(small_vocab_dir: Path, spec: SpecConfig) -> None:
     """The sampled device step (engine/spec/graphed_sampled.py): near temperature 0 both the
