@@ -87,7 +87,6 @@ class AdaptiveController:
         # The acceptance assumed before live statistics, per kind of step (sampled or not):
         # the model folder's (``engine.spec.acceptance_prior``; ``from_pretrained`` sets it).
         self.prior: dict[bool, AcceptanceStats] = {False: DEFAULT_PRIOR, True: DEFAULT_PRIOR}
-        self._prior_predicted: set[bool] = set()  # kinds whose arms the prior's yields were set for
         self._choices = 0  # choices made (``choose`` calls)
         # An arm every step takes while set (start-up calibration: ``engine.spec.arm_calibration``).
         self.forced: TreeBudget | None = None
@@ -180,8 +179,7 @@ class AdaptiveController:
             # Until then, the prior's (``engine.spec.acceptance_prior``): with no yield, a
             # drafting arm must be run to be valued, and at a batch whose catch-up no exploring
             # run may pay for (256 prompts) the engine never drafted.
-            if sampled not in self._prior_predicted:
-                self._prior_predicted.add(sampled)
+            if self.arms.predicted_yield(sampled, arms[0]) is None:  # set once (until a reset)
                 self._set_yields(sampled, arms, self.prior[sampled], PRIOR_WEIGHT_SEQ_STEPS)
             return
         # Re-predicted as the statistics grow by a quarter, but not within PREDICT_EVERY choices

@@ -223,6 +223,11 @@ class MeasuredArms:
             raise ValueError(f"a prediction's weight must be positive, got {weight}")
         self._predicted[(sampled, arm)] = (tokens_per_step, weight)
 
+    def predicted_yield(self, sampled: bool, arm: TreeBudget) -> float | None:
+        """The prediction ``set_predicted_yield`` last gave ``arm`` (None: none yet)."""
+        predicted = self._predicted.get((sampled, arm))
+        return None if predicted is None else predicted[0]
+
     def arm_yield(self, sampled: bool, arm: TreeBudget) -> float | None:
         """Tokens per sequence per step ``arm`` is expected to yield: the simulator's prediction
         averaged with the measured yield (an EWMA over ~``1 / YIELD_RATE`` sequence-steps, so it

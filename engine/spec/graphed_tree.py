@@ -553,27 +553,15 @@ class GraphedTreeStep:
         rows0 = torch.nn.utils.rnn.pad_sequence(
             [s.hidden_rows(0) for s in seqs], batch_first=True  # type: ignore[misc]
         )  # [n, max c, H]
-        carry = None
-        if self.k > 1:
-            carry = torch.cat([s.hidden_rows(d) for s in seqs for d in range(1, self.k)])  # type: ignore[misc]
-            carry = carry.view(n, self.k - 1, self.hidden_size)
-        if rows == list(range(n)):  # the whole batch, from row 0: plain copies
-            buf.tail[:n].copy_(tail)
-            buf.tables[:n, :width].copy_(tables)
-            buf.L[:n].copy_(torch.tensor(L))
-            buf.c[:n].copy_(torch.tensor(c))
-            buf.rows0[:n, : rows0.shape[1]].copy_(rows0)
-            if carry is not None:
-                buf.carry[:n].copy_(carry)
-            return
         index = torch.tensor(rows, device=self.device)
         buf.tail.index_copy_(0, index, tail.to(self.device))
         buf.tables[:, :width].index_copy_(0, index, tables.to(self.device))
         buf.L.index_copy_(0, index, torch.tensor(L, device=self.device))
         buf.c.index_copy_(0, index, torch.tensor(c, device=self.device))
         buf.rows0[:, : rows0.shape[1]].index_copy_(0, index, rows0)
-        if carry is not None:
-            buf.carry.index_copy_(0, index, carry)
+        if self.k > 1:
+            carry = torch.cat([s.hidden_rows(d) for s in seqs for d in range(1, self.k)])  # type: ignore[misc]
+            buf.carry.index_copy_(0, index, carry.view(n, self.k - 1, self.hidden_size))
 
     def _advance(self, buf: _Buffers) -> None:
         """Turn the step's outputs into the inputs of the next step over the same sequences

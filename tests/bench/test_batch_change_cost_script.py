@@ -25,5 +25,4 @@ def test_changed_steps_are_measured_on_the_graphed_path(tmp_path: Path) -> None:
     runner._gather_inputs = lambda src, dst, to, rows: gathered.append(len(to)) or gather(src, dst, to, rows)  # type: ignore[method-assign]
     split_ms, load_ms = module._measure(eng, 16)
     assert split_ms and load_ms and len(split_ms) == len(load_ms)
-    assert all(t >= 0 for t in split_ms + load_ms)
     assert gathered, "the changed steps' survivors were gathered on the device"

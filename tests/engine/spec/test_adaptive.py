@@ -211,3 +211,16 @@ def test_before_live_statistics_the_arms_are_valued_by_the_model_folders_prior(
         eng.acceptance.record_path([True], [], [1])
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(1.0), "live statistics replace it"
+
+
+def test_the_prior_is_applied_again_after_the_measurements_are_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reset_measurements`` (after the start-up calibration) starts the arms afresh: the prior's
+    yields come back with the next choice rather than being remembered as set."""
+    eng, controller = _controller(monkeypatch, PLAN_SAYS_AR, graphed=True)
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    before = controller.arms.arm_yield(False, CHAIN)
+    assert before is not None
+    controller.reset_measurements()
+    assert controller.arms.arm_yield(False, CHAIN) is None
+    controller.choose(eng, 1)  # type: ignore[arg-type]
+    assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(before)
