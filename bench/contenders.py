@@ -85,6 +85,7 @@ def build_contenders(
                 assert mode.spec is not None
                 eng = LLMEngine(base.model, base.tokenizer, base.eos_token_ids, mode.spec,
                                 base.config, base.device)
+                eng.use_acceptance_prior(model_dir)  # as ``from_pretrained`` does
                 contenders.append(Contender(mode, engine=eng))
             else:
                 reason = mtp_unavailable_reason(model_dir) if mode.mode == "transformers-mtp" else None

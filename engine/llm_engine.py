@@ -284,10 +284,16 @@ class LLMEngine:
         tokenizer = _load_tokenizer(folder)
         eos = _eos_ids(folder, model.config)
         engine = cls(model, tokenizer, eos, spec or SpecConfig(), engine_config or EngineConfig(), torch_device)
-        if engine.adaptive is not None:  # what to expect of the MTP modules before measuring them
-            engine.adaptive.prior = acceptance_prior(folder)
+        engine.use_acceptance_prior(folder)
         engine.startup_seconds = {**timer.seconds, **engine.startup_seconds}
         return engine
+
+    def use_acceptance_prior(self, folder: str | Path) -> None:
+        """Adaptive speculation: before measuring the MTP modules, expect what the model folder's
+        training recorded of them (``engine.spec.acceptance_prior``); ``from_pretrained`` calls
+        it, an engine built around a loaded model (the benchmark's) calls it too."""
+        if self.adaptive is not None:
+            self.adaptive.prior = acceptance_prior(folder)
 
     @staticmethod
     def _default_kv_bytes(device: torch.device) -> int:

@@ -5,16 +5,22 @@ For each temperature and batch size, as ``mtpserve bench offline`` orders them: 
 then rounds that alternate the autoregressive engine and the adaptive one on the same prompts.
 Prints each round's speedup and, per adaptive decode step, the budget chosen, the batch, the
 rows the MTP modules were behind and the step's milliseconds (``L``: behind); then the
-baseline's steps of the same round (batch:ms), to compare step by step.
+baseline's steps of the same round (batch:ms), to compare step by step. A step that only
+prefills shows as ``P<n>:ms`` (``+cu<k>``: the MTP modules were caught up over k prompts in it).
+With ``--cprofile-batch B`` the adaptive engine's last round at batch B runs under cProfile and
+the host functions taking the most time follow its trace.
 
     PYTHONPATH=. python scripts/adaptive_trace.py [--model models/demo] [--device cuda]
         [--batch-sizes 1,64,256] [--temperatures 0,0.7] [--rounds 3] [--max-new-tokens 64]
+        [--cprofile-batch 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import time
 
 import torch
@@ -23,7 +29,6 @@ from bench.contenders import load_base
 from bench.engine_run import run_batch, synchronize
 from bench.prompts import load_prompts
 from engine import LLMEngine, SamplingParams, SpecConfig
-from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.adaptive import budget_label
 
 
@@ -37,15 +42,29 @@ def _traced(eng: LLMEngine, trace: list[str]) -> None:
         last.append((budget_label(budget), len(seqs), lag))
         return budget, lag, sampled
 
+    caught_up: list[int] = []
+    drafter = eng.drafter
+    if drafter is not None:
+        catch_up = drafter.catch_up
+
+        def catch_up_traced(seqs):  # type: ignore[no-untyped-def]
+            caught_up.append(len(seqs))
+            return catch_up(seqs)
+
+        drafter.catch_up = catch_up_traced  # type: ignore[method-assign]
+
     def step_traced():  # type: ignore[no-untyped-def]
         last.clear()
+        caught_up.clear()
         start = time.perf_counter()
         outs = step()
         synchronize(eng.device)
+        ms = (time.perf_counter() - start) * 1e3
         if last:
             label, batch, lag = last[0]
-            ms = (time.perf_counter() - start) * 1e3
             trace.append(f"{label}{'L' if lag else ''}:{batch}:{ms:.1f}")
+        elif outs:  # a prefill alone: its first tokens (and a catch-up over its prompts, if any)
+            trace.append(f"P{len(outs)}{f'+cu{sum(caught_up)}' if caught_up else ''}:{ms:.1f}")
         return outs
 
     eng._choose_budget = choose_traced  # type: ignore[method-assign]
@@ -61,8 +80,11 @@ def _timed(eng: LLMEngine, trace: list[str]) -> None:
         outs = step()
         synchronize(eng.device)
         decoded = [o for o in outs if o.step_drafted is not None]
+        ms = (time.perf_counter() - start) * 1e3
         if decoded:
-            trace.append(f"{len(decoded)}:{(time.perf_counter() - start) * 1e3:.1f}")
+            trace.append(f"{len(decoded)}:{ms:.1f}")
+        elif outs:  # a prefill alone
+            trace.append(f"P{len(outs)}:{ms:.1f}")
         return outs
 
     eng.step = step_timed  # type: ignore[method-assign]
@@ -78,6 +100,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--cprofile-batch", type=int, default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -85,7 +108,7 @@ def main() -> None:
     adaptive = LLMEngine(base.model, base.tokenizer, base.eos_token_ids, SpecConfig(method="adaptive"),
                          base.config, base.device)
     assert adaptive.adaptive is not None
-    adaptive.adaptive.prior = acceptance_prior(args.model)  # as ``LLMEngine.from_pretrained`` does
+    adaptive.use_acceptance_prior(args.model)  # as ``LLMEngine.from_pretrained`` does
     prompts, source = load_prompts(args.model, base.tokenizer, base.model_config.vocab_size, max(batches),
                                    args.prompt_tokens)
     print(f"model {args.model} on {args.device} ({dtype}), prompts {source}")
@@ -104,13 +127,21 @@ def main() -> None:
                 base_trace.clear()
                 ar = run_batch(base, batch_prompts, sp)
                 trace.clear()
+                profiler = cProfile.Profile() if batch == args.cprofile_batch and r == args.rounds else None
+                if profiler is not None:
+                    profiler.enable()
                 ad = run_batch(adaptive, batch_prompts, sp)
+                if profiler is not None:
+                    profiler.disable()
                 speedup = (ad.output_tokens / ad.wall_s) / (ar.output_tokens / ar.wall_s)
                 name = "warm-up" if r == 0 else f"round {r}"
                 print(f"T={temperature} b={batch} {name}: speedup {speedup:.2f} "
                       f"(ar {ar.wall_s * 1e3:.1f} ms, adaptive {ad.wall_s * 1e3:.1f} ms)")
                 print("    adaptive:", " ".join(trace))
                 print("    ar:      ", " ".join(base_trace))
+                if profiler is not None:  # (its own overhead inflates the round above)
+                    print("    host profile of that adaptive round (top 30 by own time):")
+                    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

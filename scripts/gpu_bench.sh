@@ -18,7 +18,8 @@
 # BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MIN_SEQUENCES, MODES (override the sweep), VALIDATE_PROMPTS
 # (default 8: prompts of the simulator validation), TRACE_BATCHES (e.g. 4,16,64: then
 # scripts/adaptive_trace.py runs after the sweep, at most TRACE_S seconds (default 90), into
-# adaptive-trace.txt, before the validation takes the time left),
+# adaptive-trace.txt, before the validation takes the time left; TRACE_ARGS are passed on,
+# e.g. "--temperatures 0 --cprofile-batch 256"),
 # PROFILE_BATCHES (e.g. 1,64: then scripts/gpu_profile.py runs after the trace, at most
 # PROFILE_S seconds (default 120), with --catch-up and host profiles at the last of them, into
 # RESULTS_DIR/profile.tar.gz: one file, as the device tool brings back 8 at most; PROFILE_ARGS,
@@ -88,7 +89,7 @@ if [ -n "${TRACE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
     TRACE_LIMIT=$(( LEFT < ${TRACE_S:-90} ? LEFT : ${TRACE_S:-90} ))
     echo "== adaptive trace at batches ${TRACE_BATCHES} (${TRACE_LIMIT} s)"
     timeout "$TRACE_LIMIT" "$PY" scripts/adaptive_trace.py --model "$MODEL" --device cuda \
-        --batch-sizes "$TRACE_BATCHES" > "$OUT/adaptive-trace.txt" 2>&1 \
+        --batch-sizes "$TRACE_BATCHES" ${TRACE_ARGS:-} > "$OUT/adaptive-trace.txt" 2>&1 \
         || echo "== adaptive trace exited with status $?"
 fi
 LEFT=$(( END_S - ($(date +%s) - START) ))
