@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from engine.batch_builder import SeqRows
+from engine.host_tensor import int_tensor
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -72,7 +73,9 @@ class _Static:
             [scratch[j // block_size] * block_size + j % block_size for j in range(tokens)]
         )
         self.scratch0 = scratch[0]
-        self.pad_slots_host = pad_slots.tolist()  # [tokens] scratch slots of the padding rows
+        self.pad_slots_cpu = pad_slots  # [tokens] scratch slots of the padding rows
+        self.pad_positions_host = torch.arange(tokens)  # [tokens]
+        self.pad_mask_host = torch.ones(tokens, tokens, dtype=torch.bool).tril()  # [tokens, tokens]
         # Pristine padding values, copied over the unused sequences before every replay.
         self.pad_table = pad_table.to(device)
         self.pad_slots = pad_slots.to(device)
@@ -117,32 +120,45 @@ class _Static:
     def load_padded(self, rows: list[SeqRows], block_size: int) -> None:
         """Prefill rows (each at most ``tokens`` new tokens, no per-query limits) padded to the
         shape: sequence ``i`` owns rows ``i * tokens ...``; its padding rows take token 0, the
-        position of its last real token, scratch slots, and a mask row over its real tokens."""
+        position of its last real token, scratch slots, and a mask row over its real tokens.
+
+        Slots, positions and masks are computed for the whole shape at once from each row's
+        context and length (a prefill's rows are consecutive positions under a causal mask);
+        a row that is not is written as given. Built row by row in Python, a chunk of 64
+        prompts of 64 tokens took 4 ms of host time on a 2-core CPU."""
         t, b = self.tokens, len(rows)
         width = self.tables.shape[1]
-        pad_slots = self.pad_slots_host
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        mask = torch.zeros(b, t, t, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            n, blocks = len(r.token_ids), r.block_ids
-            ids += r.token_ids + [0] * (t - n)
-            positions += r.positions + [r.positions[-1]] * (t - n)
-            slots += [blocks[p // block_size] * block_size + p % block_size
-                      for p in range(r.ctx_len, r.ctx_len + n)] + pad_slots[n:]  # fmt: skip
+        tables: list[int] = []
+        for r in rows:
+            ids += r.token_ids
+            ids += [0] * (t - len(r.token_ids))
             # The attention walks keys up to ctx + T through the table (the padding's keys are
             # masked, but loaded): a scratch block beyond the sequence's own keeps reads in bounds.
-            tables.append(blocks + [self.scratch0] * (width - len(blocks)))
-            mask[i, :n, :n] = r.mask
-            mask[i, n:, :n] = True
+            tables += r.block_ids
+            tables += [self.scratch0] * (width - len(r.block_ids))
+        table = int_tensor(tables, torch.int32).view(b, width)  # [b, width]
+        n = torch.tensor([len(r.token_ids) for r in rows])[:, None]  # [b, 1]
+        ctx = torch.tensor([r.ctx_len for r in rows])[:, None]  # [b, 1]
+        j = self.pad_positions_host  # [t]
+        real = j < n  # [b, t]
+        entry = ctx + torch.minimum(j, n - 1)  # [b, t] cache entry of a real row; the last one's
+        blocks = table.gather(1, entry // block_size).long()  # [b, t]
+        slots = torch.where(real, blocks * block_size + entry % block_size, self.pad_slots_cpu)  # [b, t]
+        # Real rows see the real rows up to themselves, padding rows all real rows.
+        mask = torch.where(real[:, :, None], self.pad_mask_host, j < n[:, :, None])  # [b, t, t]
+        for i, r in enumerate(rows):  # anything but a plain prefill row is written as given
+            k = len(r.token_ids)
+            if r.positions != list(range(r.ctx_len, r.ctx_len + k)):
+                entry[i] = torch.tensor(r.positions + [r.positions[-1]] * (t - k))
+            if k > 1 and not torch.equal(r.mask, self.pad_mask_host[:k, :k]):
+                mask[i, :k, :k] = r.mask
         n_all = b * t
-        self.ids[:n_all].copy_(torch.tensor(ids))
-        self.positions[:n_all].copy_(torch.tensor(positions))
-        self.slots[:n_all].copy_(torch.tensor(slots))
-        self.tables[:b].copy_(torch.tensor(tables, dtype=torch.int32))
-        self.ctx[:b].copy_(torch.tensor([r.ctx_len for r in rows], dtype=torch.int32))
+        self.ids[:n_all].copy_(int_tensor(ids))
+        self.positions[:n_all].copy_(entry.flatten())
+        self.slots[:n_all].copy_(slots.flatten())
+        self.tables[:b].copy_(table)
+        self.ctx[:b].copy_(ctx.flatten().to(torch.int32))
         self.mask[:n_all].copy_(mask.view(n_all, t))
         self._pad_unused(b)
 

@@ -84,3 +84,26 @@ def test_prefill_shape_choice(small_vocab_dir: Path) -> None:
     assert static.prefill_shape(limited) is None  # per-query limits: MTP rows, not a prefill
     far = rows(4, ctx=static.max_blocks * static.pool.block_size - 8)
     assert static.prefill_shape(far) is None  # padded keys would walk past the table
+
+
+def test_padded_rows_that_are_not_a_plain_prefill_are_written_as_given(small_vocab_dir: Path) -> None:
+    """The padded load computes slots, positions and masks for the whole shape from each row's
+    context and length; a row with other positions or another mask keeps its own."""
+    from engine.batch_builder import build_batch
+
+    eager, static = _engine(small_vocab_dir, False), _engine(small_vocab_dir, True)
+    assert static.static_forward is not None
+    odd_mask = causal_mask(5).clone()
+    odd_mask[1, 3] = True  # a row that sees a later one
+    rows = [
+        SeqRows([1, 2], 0, [3, 1, 4, 1, 5], list(range(5)), causal_mask(5)),
+        SeqRows([3, 4], 0, [2, 5, 1, 0, 2], [0, 2, 4, 6, 8], causal_mask(5)),  # other positions
+        SeqRows([5, 6], 0, [1, 4, 1, 3, 0], list(range(5)), odd_mask),
+        SeqRows([7, 8], 0, [5, 3], [0, 1], causal_mask(2)),
+    ]
+    shape = static.static_forward.prefill_shape(rows)
+    assert shape is not None
+    got = static.static_forward.run_prefill(rows, shape)  # [N, H]
+    ids, batch = build_batch(rows, eager.pool.block_size, eager.device)
+    want = eager.model.forward_target(ids, batch, eager.pool.kv_cache)  # [N, H]
+    torch.testing.assert_close(got, want)

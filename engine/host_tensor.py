@@ -1,0 +1,23 @@
+"""Host tensors from Python lists of ints, packed in C.
+
+``torch.tensor`` converts a list element by element (~80 ns each on a 2-core CPU: 0.7 ms for the
+block tables of 64 sequences, 8k entries, built at every prefill chunk and MTP catch-up);
+``array`` packs the same list in one C loop and ``torch.frombuffer`` wraps its memory, about 3x
+faster. The tensor keeps the array alive.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+_TYPECODES = {torch.int32: "i", torch.int64: "q"}
+assert array("i").itemsize == 4 and array("q").itemsize == 8
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` as a 1-D CPU tensor of ``dtype`` (torch.int32 or torch.int64)."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
