@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_tensor import int_tensor
 from engine.model.attention_batch import AttentionBatch
 
 
@@ -40,11 +41,13 @@ def build_batch(
     counts = [len(r.token_ids) for r in rows]
     total = sum(counts)
     width = max(counts) if counts else 0
-    max_blocks = max((len(r.block_ids) for r in rows), default=0)
-    # Host tensors built from whole lists (one call each, not one per sequence).
-    tables = torch.tensor(
-        [r.block_ids + [-1] * (max(max_blocks, 1) - len(r.block_ids)) for r in rows], dtype=torch.int32
-    ).view(len(rows), max(max_blocks, 1))  # [B, max_blocks]
+    max_blocks = max(max((len(r.block_ids) for r in rows), default=0), 1)
+    # Host tensors built from whole flat lists, packed in C (``int_tensor``): a decode step of
+    # 256 sequences is host work on the critical path of every autoregressive step.
+    tables: list[int] = []
+    for r in rows:
+        tables += r.block_ids
+        tables += [-1] * (max_blocks - len(r.block_ids))
     new_mask = torch.zeros(total, max(width, 1), dtype=torch.bool)
     offsets = [0, *itertools.accumulate(counts)]
     # A one-row sequence (a decode step) sees itself: its 1 x 1 mask is set for all in one go.
@@ -56,25 +59,28 @@ def build_batch(
     query_ctx: list[int] = []
     any_limit = False
     for r, n in zip(rows, counts, strict=True):
-        if r.ctx_len + n > len(r.block_ids) * block_size:
+        ctx, blocks = r.ctx_len, r.block_ids
+        if ctx + n > len(blocks) * block_size:
             raise AssertionError("slot beyond the sequence's allocated blocks")
-        blocks = r.block_ids
-        slots.extend(blocks[pos // block_size] * block_size + pos % block_size
-                     for pos in range(r.ctx_len, r.ctx_len + n))  # fmt: skip
+        if n == 1:
+            slots.append(blocks[ctx // block_size] * block_size + ctx % block_size)
+        else:
+            slots.extend(blocks[pos // block_size] * block_size + pos % block_size
+                         for pos in range(ctx, ctx + n))  # fmt: skip
         if r.query_ctx_lens is not None:
             any_limit = True
             query_ctx.extend(r.query_ctx_lens)
         else:
-            query_ctx.extend([r.ctx_len] * n)
+            query_ctx.extend([ctx] * n)
     starts = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     batch = AttentionBatch(
-        positions=torch.tensor([p for r in rows for p in r.positions], dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=tables.to(device),
-        ctx_lens=torch.tensor([r.ctx_len for r in rows], dtype=torch.int32, device=device),
+        positions=int_tensor([p for r in rows for p in r.positions]).to(device),
+        slot_mapping=int_tensor(slots).to(device),
+        block_tables=int_tensor(tables, torch.int32).view(len(rows), max_blocks).to(device),
+        ctx_lens=int_tensor([r.ctx_len for r in rows], torch.int32).to(device),
         query_start=starts.to(device),
         new_mask=new_mask.to(device),
-        query_ctx_lens=torch.tensor(query_ctx, dtype=torch.int32, device=device) if any_limit else None,
+        query_ctx_lens=int_tensor(query_ctx, torch.int32).to(device) if any_limit else None,
     )
-    ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=device)
+    ids = int_tensor([t for r in rows for t in r.token_ids]).to(device)
     return ids, batch
