@@ -1,0 +1,33 @@
+"""engine/host_tensor.py: int lists packed in C equal what torch.tensor builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.host_tensor import int_tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_int_tensor_equals_torch_tensor(dtype: torch.dtype) -> None:
+    values = [0, 1, -1, 2**31 - 1, -(2**31), 7] * 5
+    got = int_tensor(values, dtype)
+    assert got.dtype == dtype and got.shape == (len(values),)
+    assert torch.equal(got, torch.tensor(values, dtype=dtype))
+
+
+def test_int_tensor_of_nothing_and_of_large_ids() -> None:
+    assert int_tensor([]).shape == (0,) and int_tensor([], torch.int32).dtype == torch.int32
+    assert int_tensor([2**40]).item() == 2**40
+
+
+def test_int_tensor_does_not_alias_the_list() -> None:
+    values = [1, 2, 3]
+    got = int_tensor(values)
+    values[0] = 9
+    assert got.tolist() == [1, 2, 3]
+
+
+def test_int_tensor_rejects_what_does_not_fit() -> None:
+    with pytest.raises(OverflowError):
+        int_tensor([2**31], torch.int32)
