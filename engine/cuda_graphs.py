@@ -73,7 +73,7 @@ class _Static:
             [scratch[j // block_size] * block_size + j % block_size for j in range(tokens)]
         )
         self.scratch0 = scratch[0]
-        self.pad_slots_cpu = pad_slots  # [tokens] scratch slots of the padding rows
+        self.pad_slots_host = pad_slots  # [tokens] scratch slots of the padding rows
         self.pad_positions_host = torch.arange(tokens)  # [tokens]
         self.pad_mask_host = torch.ones(tokens, tokens, dtype=torch.bool).tril()  # [tokens, tokens]
         # Pristine padding values, copied over the unused sequences before every replay.
@@ -144,7 +144,7 @@ class _Static:
         real = j < n  # [b, t]
         entry = ctx + torch.minimum(j, n - 1)  # [b, t] cache entry of a real row; the last one's
         blocks = table.gather(1, entry // block_size).long()  # [b, t]
-        slots = torch.where(real, blocks * block_size + entry % block_size, self.pad_slots_cpu)  # [b, t]
+        slots = torch.where(real, blocks * block_size + entry % block_size, self.pad_slots_host)  # [b, t]
         # Real rows see the real rows up to themselves, padding rows all real rows.
         mask = torch.where(real[:, :, None], self.pad_mask_host, j < n[:, :, None])  # [b, t, t]
         for i, r in enumerate(rows):  # anything but a plain prefill row is written as given
