@@ -31,3 +31,15 @@ def test_int_tensor_does_not_alias_the_list() -> None:
 def test_int_tensor_rejects_what_does_not_fit() -> None:
     with pytest.raises(OverflowError):
         int_tensor([2**31], torch.int32)
+
+
+def test_int_tensor_keeps_its_memory_alive() -> None:
+    """The tensor wraps the array's memory: it must hold the array, or the values would be
+    overwritten once the array is collected and its memory reused."""
+    import gc
+    from array import array
+
+    tensors = [int_tensor(list(range(i, i + 4096))) for i in range(16)]
+    gc.collect()
+    reuse = [array("q", [7] * 4096) for _ in range(64)]
+    assert reuse and all(t.tolist() == list(range(i, i + 4096)) for i, t in enumerate(tensors))
