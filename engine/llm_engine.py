@@ -900,9 +900,12 @@ class LLMEngine:
         """One token per row of ``logits`` [B, V]: greedy rows in one device read, sampled rows
         without penalties in one batched draw; rows with penalties one by one."""
         out: list[int | None] = [None] * len(seqs)
+        everyone = len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy and not s.sampling.has_penalties]
         if greedy:
-            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+            # The whole batch needs no row selection (an index copied to the device, a gather).
+            rows = logits if len(greedy) == everyone else logits[greedy]
+            for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
                 out[i] = token
         sampled = [
             i for i, s in enumerate(seqs) if not s.sampling.greedy and not s.sampling.has_penalties
@@ -911,7 +914,8 @@ class LLMEngine:
             params = [seqs[i].sampling for i in sampled]
             st = SamplingTensors.from_params(params, logits.device)
             filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params)  # known here: no device read
-            probs = probs_from_logits(logits[sampled], st.temperature, st.top_k, st.top_p, filters=filters)
+            rows = logits if len(sampled) == everyone else logits[sampled]
+            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=filters)
             # Seeded requests draw from their own generator (reproducible); the others share
             # the device's default generator, one kernel for all their rows.
             drawn = sample_rows(probs, [seqs[i].generator if p.seed is not None else None

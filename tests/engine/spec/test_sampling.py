@@ -95,6 +95,14 @@ def test_sampling_tensors_from_params() -> None:
     assert t.top_k.tolist() == [3, 0]
     assert t.top_p.tolist() == [1.0, 0.5]
     assert t.presence.tolist() == [0.0, 1.0]
+    assert t.frequency.tolist() == [0.0, 0.0]
+    assert [x.dtype for x in (t.temperature, t.top_k, t.top_p, t.presence, t.frequency)] == [
+        torch.float32, torch.int64, torch.float32, torch.float32, torch.float32
+    ]
+    odd = SamplingTensors.from_params([SamplingParams(temperature=0.7, top_k=50_000, top_p=0.9)])
+    assert odd.temperature.item() == torch.tensor(0.7).item() and odd.top_k.item() == 50_000
+    assert odd.top_p.item() == torch.tensor(0.9).item()
+    assert SamplingTensors.from_params([]).top_k.shape == (0,)
 
 
 def test_seeded_draws_are_reproducible_and_independent_of_other_rows() -> None:
