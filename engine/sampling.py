@@ -185,11 +185,11 @@ def sample_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> 
     if probs.dim() != 2 or probs.shape[0] != len(generators):
         raise ValueError(f"probs must be [R, V] with one generator per row, got {tuple(probs.shape)}")
     exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)  # [R, V]
-    if any(gen is None for gen in generators):
+    seeded = [(r, gen) for r, gen in enumerate(generators) if gen is not None]
+    if len(seeded) < len(generators):
         exp.exponential_()  # every row at once; seeded rows are overwritten below
-    for row, gen in zip(exp, generators, strict=True):
-        if gen is not None:
-            row.exponential_(generator=gen)
+    for r, gen in seeded:  # (not a walk over every row's view: unseeded batches have none)
+        exp[r].exponential_(generator=gen)
     best, tokens = (probs.float() / exp.clamp_(min=_TINY)).max(dim=-1)  # [R] x2
     out = torch.stack([tokens, (best > 0).long()]).tolist()
     if not all(out[1]):
