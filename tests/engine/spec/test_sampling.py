@@ -174,3 +174,21 @@ def test_batched_rows_reject_rows_without_mass() -> None:
     probs[0, 1] = 1.0
     with pytest.raises(ValueError, match="no positive mass"):
         sample_rows(probs, [make_generator(0), make_generator(1)])
+
+
+def test_seeded_rows_next_to_unseeded_ones_draw_what_they_draw_alone() -> None:
+    """Unseeded rows share one draw from the default generator; the seeded rows among them are
+    overwritten from their own generators and draw as they would alone."""
+    from engine.sampling import make_generator, sample_from_probs, sample_rows
+
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
+    alone = [make_generator(7), make_generator(8)]
+    mixed = [make_generator(7), None, make_generator(8), None]
+    for _ in range(20):
+        want = [sample_from_probs(probs[0], alone[0]), sample_from_probs(probs[2], alone[1])]
+        torch.manual_seed(3)
+        got = sample_rows(probs, mixed)
+        torch.manual_seed(3)
+        again = sample_rows(probs, [None] * 4)
+        assert [got[0], got[2]] == want
+        assert [got[1], got[3]] == [again[1], again[3]], "the unseeded rows' shared draw"
