@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host_tensor import int_tensor
+from engine.host_tensor import int_table, int_tensor
 from engine.model.attention_batch import AttentionBatch
 
 
@@ -44,10 +44,6 @@ def build_batch(
     max_blocks = max(max((len(r.block_ids) for r in rows), default=0), 1)
     # Host tensors built from whole flat lists, packed in C (``int_tensor``): a decode step of
     # 256 sequences is host work on the critical path of every autoregressive step.
-    tables: list[int] = []
-    for r in rows:
-        tables += r.block_ids
-        tables += [-1] * (max_blocks - len(r.block_ids))
     new_mask = torch.zeros(total, max(width, 1), dtype=torch.bool)
     offsets = [0, *itertools.accumulate(counts)]
     # A one-row sequence (a decode step) sees itself: its 1 x 1 mask is set for all in one go.
@@ -76,7 +72,7 @@ def build_batch(
     batch = AttentionBatch(
         positions=int_tensor([p for r in rows for p in r.positions]).to(device),
         slot_mapping=int_tensor(slots).to(device),
-        block_tables=int_tensor(tables, torch.int32).view(len(rows), max_blocks).to(device),
+        block_tables=int_table([r.block_ids for r in rows], max_blocks, -1).to(device),
         ctx_lens=int_tensor([r.ctx_len for r in rows], torch.int32).to(device),
         query_start=starts.to(device),
         new_mask=new_mask.to(device),

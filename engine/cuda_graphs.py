@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from engine.batch_builder import SeqRows
-from engine.host_tensor import int_tensor
+from engine.host_tensor import int_table, int_tensor
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -129,15 +129,12 @@ class _Static:
         t, b = self.tokens, len(rows)
         width = self.tables.shape[1]
         ids: list[int] = []
-        tables: list[int] = []
         for r in rows:
             ids += r.token_ids
             ids += [0] * (t - len(r.token_ids))
-            # The attention walks keys up to ctx + T through the table (the padding's keys are
-            # masked, but loaded): a scratch block beyond the sequence's own keeps reads in bounds.
-            tables += r.block_ids
-            tables += [self.scratch0] * (width - len(r.block_ids))
-        table = int_tensor(tables, torch.int32).view(b, width)  # [b, width]
+        # The attention walks keys up to ctx + T through the table (the padding's keys are
+        # masked, but loaded): a scratch block beyond the sequence's own keeps reads in bounds.
+        table = int_table([r.block_ids for r in rows], width, self.scratch0)  # [b, width]
         n = torch.tensor([len(r.token_ids) for r in rows])[:, None]  # [b, 1]
         ctx = torch.tensor([r.ctx_len for r in rows])[:, None]  # [b, 1]
         j = self.pad_positions_host  # [t]

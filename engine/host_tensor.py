@@ -21,3 +21,13 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Ten
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+
+
+def int_table(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
+    """``rows`` (each at most ``width`` long) padded with ``fill`` into a ``[len(rows), width]``
+    int32 CPU tensor: block tables, in one packed copy."""
+    flat: list[int] = []
+    for row in rows:
+        flat += row
+        flat += [fill] * (width - len(row))
+    return int_tensor(flat, torch.int32).view(len(rows), width)

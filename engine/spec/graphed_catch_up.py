@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from engine.cuda_graphs import capture_or_run_eagerly
-from engine.host_tensor import int_tensor
+from engine.host_tensor import int_table, int_tensor
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM, mtp_band_mask
@@ -241,6 +241,12 @@ class GraphedCatchUp:
         it until the asynchronous copy from it is done), as it is otherwise."""
         return host.pin_memory() if self.device.type == "cuda" else host
 
+    def _tables(self, seqs: list[Sequence], slots: int) -> Tensor:
+        """Block tables of ``seqs``, then of the padding's dummy sequences up to ``slots``:
+        ``[slots, max_blocks]`` int32 on the host."""
+        rows = [seq.block_ids for seq in seqs] + [self._pad_table_host] * (slots - len(seqs))
+        return int_table(rows, self.max_blocks, -1)
+
     def _shape_for(self, count: int, rows: int) -> tuple[int, int]:
         """The smallest captured shape for ``count`` sequences of at most ``rows`` rows, or the
         largest sequence count of the smallest row bucket that fits (the rest goes next)."""
@@ -306,7 +312,6 @@ class GraphedCatchUp:
         S, W, k = buf.seqs, buf.width, self.num_modules
         windows: list[int] = []
         meta: list[int] = []
-        tables: list[int] = []
         firsts: list[Tensor] = []  # module 1's rows [n_1, H]
         carry: list[Tensor] = []  # carried rows [1, H], by sequence then module
         for seq, (counts, carried) in work:
@@ -321,14 +326,11 @@ class GraphedCatchUp:
             if rows is not None:
                 firsts.append(rows)
             carry += [seq.pending_hidden[d] for d, p in enumerate(carried, 1) if p]  # type: ignore[misc]
-            tables += seq.block_ids
-            tables += [-1] * (self.max_blocks - len(seq.block_ids))
         unused = S - len(work)
         windows += [0] * (W * unused)
         meta += [0] * (4 * k * unused)
-        tables += self._pad_table_host * unused
         buf.fused_in.copy_(self._staged(int_tensor(windows + meta)), non_blocking=True)
-        buf.tables.copy_(self._staged(int_tensor(tables, torch.int32).view(S, -1)), non_blocking=True)
+        buf.tables.copy_(self._staged(self._tables([seq for seq, _ in work], S)), non_blocking=True)
         if firsts:
             rows = firsts[0] if len(firsts) == 1 else torch.cat(firsts)  # [sum n_1, H]
             buf.prev[: rows.shape[0]].copy_(rows)
@@ -378,22 +380,18 @@ class GraphedCatchUp:
         counts = [prev.shape[0] for _, _, prev in work]
         ids: list[int] = []
         meta: list[int] = []
-        tables: list[int] = []
         for (seq, start, _), n in zip(work, counts, strict=True):
             ids += seq.tokens[start + module : start + module + n]  # row t consumes x_{t+module}
             ids += [0] * (R - n)
             meta += [n, start]
-            tables += seq.block_ids
-            tables += [-1] * (self.max_blocks - len(seq.block_ids))
         unused = S - len(work)
         ids += [0] * (R * unused)
         meta += [0, 0] * unused
-        tables += self._pad_table_host * unused
         # Copies from pinned memory do not wait for the device: the previous module's replay
         # runs while these inputs are built (a copy from pageable memory waits for it first).
         buf.ids.copy_(self._staged(int_tensor(ids)), non_blocking=True)
         buf.meta.copy_(self._staged(int_tensor(meta).view(S, 2)), non_blocking=True)
-        buf.tables.copy_(self._staged(int_tensor(tables, torch.int32).view(S, -1)), non_blocking=True)
+        buf.tables.copy_(self._staged(self._tables([seq for seq, _, _ in work], S)), non_blocking=True)
         dest = self._staged(int_tensor(list(itertools.chain.from_iterable(
             range(i * R, i * R + n) for i, n in enumerate(counts))))).to(self.device, non_blocking=True)  # fmt: skip
         prevs = [prev for _, _, prev in work]

@@ -43,3 +43,12 @@ def test_int_tensor_keeps_its_memory_alive() -> None:
     gc.collect()
     reuse = [array("q", [7] * 4096) for _ in range(64)]
     assert reuse and all(t.tolist() == list(range(i, i + 4096)) for i, t in enumerate(tensors))
+
+
+def test_int_table_pads_each_row_to_the_width() -> None:
+    from engine.host_tensor import int_table
+
+    got = int_table([[1, 2], [], [3, 4, 5]], 3, -1)
+    assert got.dtype == torch.int32
+    assert got.tolist() == [[1, 2, -1], [-1, -1, -1], [3, 4, 5]]
+    assert int_table([], 4, 0).shape == (0, 4)
