@@ -43,6 +43,7 @@ from torch import Tensor
 from engine.cuda_graphs import capture_or_run_eagerly
 from engine.kernels import run_kernel, triton_available
 from engine.kv.block_pool import BlockOwner, BlockPool
+from engine.kv.compaction import commit_tree_kv
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.params import SamplingParams
@@ -281,10 +282,10 @@ class _Buffers:
         self.copied = torch.cuda.Event() if cuda else None
         self.next_rows = torch.zeros(bucket, P, H, dtype=g.dtype, device=dev)
         self.next_carry = torch.zeros_like(self.carry)
-        self.src_slots = torch.zeros(bucket * P, dtype=torch.long, device=dev)
-        self.dst_slots = torch.zeros(bucket * P, dtype=torch.long, device=dev)
-        self.keep = torch.zeros(bucket * P, dtype=torch.bool, device=dev)
-        self.reject_slots = torch.zeros(bucket * (g.N + 1 - P), dtype=torch.long, device=dev)
+        # The rollback's inputs: each tree's slots, its accepted path and which depths it kept.
+        self.tree_slots = torch.zeros(bucket, g.N + 1, dtype=torch.long, device=dev)
+        self.path = torch.zeros(bucket, P, dtype=torch.long, device=dev)
+        self.keep = torch.zeros(bucket, P, dtype=torch.bool, device=dev)
         rows = {p.rows for p in g.plans} | {g.N + 1}
         self.query_start = {  # rows per sequence -> [bucket + 1] int32 offsets
             r: (torch.arange(bucket + 1, device=dev) * r).to(torch.int32) for r in rows
@@ -733,19 +734,14 @@ class GraphedTreeStep:
         torch.gather(hidden, 1, path[:, :, None].expand(B, D + 1, H), out=buf.next_rows)
         if next_carry:
             torch.cat(next_carry, 1, out=buf.next_carry)
-        # Rollback indices: accepted path -> contiguous slots L..L+a, everything else zeroed.
-        torch.gather(tree_slots, 1, path, out=buf.src_slots.view(B, D + 1))
-        buf.dst_slots.view(B, D + 1).copy_(tree_slots[:, : D + 1])
-        buf.keep.view(B, D + 1).copy_(acc.on_path)
-        buf.reject_slots.view(B, N - D).copy_(tree_slots[:, D + 1 :])
+        # Rollback inputs: accepted path -> contiguous slots L..L+a, everything else zeroed.
+        buf.tree_slots.copy_(tree_slots)
+        buf.path.copy_(path)
+        buf.keep.copy_(acc.on_path)
 
     def _rollback(self, buf: _Buffers) -> None:
         """Move accepted target KV to contiguous slots, zero rejected slots and the scratch."""
-        main = self.pool.kv_cache[: self.num_main_layers]
-        flat = main.view(main.shape[0], -1, main.shape[-1])  # [layers, slots, latent]
-        moved = flat.index_select(1, buf.src_slots) * buf.keep[None, :, None]  # zero off-path
-        flat.index_copy_(1, buf.dst_slots, moved)
-        flat.index_fill_(1, buf.reject_slots, 0)
+        commit_tree_kv(self.pool.kv_cache, self.num_main_layers, buf.tree_slots, buf.path, buf.keep)
         self._zero_scratch()
 
     def _zero_scratch(self) -> None:

@@ -26,6 +26,7 @@ from tests.engine.kernels.accept_cases import (
     check_accept_sampled,
     check_logprob_topk,
 )
+from tests.engine.kernels.commit_cases import check_tree_commit
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
     check_add_rms_norm,
@@ -143,6 +144,7 @@ def run_all() -> dict[str, dict]:
         "tree/grow_frontier": lambda: check_grow_frontier("cpu"),
         "tree/select": lambda: check_select_tree("cpu"),
         "tree/mtp_rows": lambda: check_mtp_rows("cpu"),
+        "tree/commit_kv": lambda: check_tree_commit("cpu"),
     }
     for name, job in jobs.items():
         try:

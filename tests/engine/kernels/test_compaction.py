@@ -83,3 +83,45 @@ def test_empty_moves_and_zeroes_are_no_ops() -> None:
     empty = torch.zeros(0, dtype=torch.int64)
     compact_and_zero_reference(cache, empty, empty, empty)
     assert torch.equal(cache, before)
+
+
+def test_tree_commit_reference_equals_the_per_sequence_replay() -> None:
+    from tests.engine.kernels.commit_cases import check_tree_commit
+
+    bad, _ = check_tree_commit("cpu", triton=False)
+    assert bad == 0, "commit_tree_kv_reference differs from the naive replay"
+
+
+def test_tree_commit_reads_every_kept_entry_before_writing() -> None:
+    from engine.kv.compaction import commit_tree_kv
+    from tests.engine.kernels.commit_cases import naive_commit
+
+    cache = _cache()
+    slots = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])  # [1, T]: node i at slot 3 + i
+    path = torch.tensor([[0, 2, 3, 6]])  # depth 1 reads node 2, which depth 2 overwrites
+    keep = torch.ones(1, 4, dtype=torch.bool)
+    before = {s: _slot_bytes(cache, s) for s in range(12)}
+    want = naive_commit(cache, NUM_LAYERS, slots, path, keep)
+    commit_tree_kv(cache, NUM_LAYERS, slots, path, keep)
+    assert torch.equal(cache, want)
+    assert [_slot_bytes(cache, s) for s in (3, 4, 5, 6)] == [before[s] for s in (3, 5, 6, 9)]
+    for s in (7, 8, 9):  # rejected drafts
+        assert _slot_bytes(cache, s) == [bytes(DIM * 4)] * NUM_LAYERS
+    for s in (0, 1, 2, 10, 11):
+        assert _slot_bytes(cache, s) == before[s]
+
+
+def test_tree_commit_zeroes_depths_past_the_accepted_path_and_only_given_layers() -> None:
+    from engine.kv.compaction import commit_tree_kv
+
+    cache = _cache()
+    original = cache.clone().view(NUM_LAYERS, -1, DIM)  # [L, slots, D]
+    slots = torch.tensor([[0, 1, 2, 3], [8, 9, 10, 11]])  # [2, T]
+    path = torch.tensor([[0, 2, 2], [0, 0, 0]])  # one accepted draft; none
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    commit_tree_kv(cache, 2, slots, path, keep)  # the last layer is not the target's
+    flat = cache.view(NUM_LAYERS, -1, DIM)
+    assert torch.equal(flat[:2, 0], original[:2, 0]) and torch.equal(flat[:2, 1], original[:2, 2])
+    assert torch.equal(flat[:2, 8], original[:2, 8])
+    assert not flat[:2, [2, 3, 9, 10, 11]].any()
+    assert torch.equal(flat[2], original[2])

@@ -133,3 +133,10 @@ def test_fused_logprob_topk_equals_the_torch_ops_on_gpu() -> None:
 
     err, tol = check_logprob_topk("cuda")
     assert err <= tol, err
+
+
+def test_fused_tree_commit_is_bit_exact_on_gpu() -> None:
+    from tests.engine.kernels.commit_cases import check_tree_commit
+
+    bad, _ = check_tree_commit("cuda")
+    assert bad == 0, f"the fused tree KV commit differs from the replay in {bad:.0f} cases"

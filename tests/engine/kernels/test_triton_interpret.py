@@ -26,7 +26,7 @@ CASE_NAMES = [f"attention/{k}" for k in ATTENTION_CASES] + [
     f"compaction/{k}" for k in COMPACTION_CASES
 ] + [f"{kind}/{k}" for kind in ("rms_norm", "rope_latent", "mtp_input", "silu_mul", "add_rms_norm") for k in INTERPRETED_FUSED] + [
     "accept/greedy_random_trees", "accept/logprob_topk", "accept/sampled_random_trees",
-    "tree/grow_frontier", "tree/select", "tree/mtp_rows",
+    "tree/grow_frontier", "tree/select", "tree/mtp_rows", "tree/commit_kv",
 ]
 
 pytestmark = pytest.mark.skipif(
