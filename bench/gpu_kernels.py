@@ -9,8 +9,11 @@ Run on a CUDA machine from the repository root (imports only ``engine``, torch a
 2. sweep: a few tile configurations on two representative shapes;
 3. attention: ``triton.testing.do_bench`` times for batch x tree size x context, Triton (default
    config) and the reference where it fits in memory/time;
-4. compaction: time per verify step for all layers (goal: well under 0.1 ms).
-Writes ``OUT_DIR/gpu_kernels.json`` and ``OUT_DIR/gpu_kernels.log``; exits 1 if a check failed.
+4. compaction: time per verify step for all layers (goal: well under 0.1 ms);
+5. tree commit: the graphed tree step's rollback (``commit_tree_kv``), the fused kernel against
+   the PyTorch ops it replaced, each replayed as a CUDA graph, checked bit-exact, at the ``gpu``
+   preset's cache and the published model's.
+``--only tree_commit`` runs the last part alone (seconds). Writes ``OUT_DIR/gpu_kernels.json`` and ``OUT_DIR/gpu_kernels.log``; exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -239,10 +242,64 @@ def run_compaction(log: Log, device: str = "cuda") -> list[dict]:
     return records
 
 
+def _graph_ms(fn: Callable[[], Any]) -> float:
+    """Median ms of one replay of ``fn`` captured as a CUDA graph (as the engine runs it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up (Triton compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
+def run_tree_commit(log: Log, device: str = "cuda") -> list[dict]:
+    """The rollback of a graphed tree step (33-node trees, paths of up to 6) per batch size."""
+    from engine.kernels.tree_commit import commit_tree_kv_triton
+    from engine.kv.compaction import commit_tree_kv_reference
+
+    records = []
+    gen = torch.Generator().manual_seed(0)
+    # (name, target layers, all layers, entry width, block size): the gpu preset, DeepSeek-V3.
+    for name, layers, layers_all, dim, block in [("gpu", 12, 16, 288, 16),
+                                                 ("v3", NUM_LAYERS - 1, NUM_LAYERS, RANK + ROPE, 64)]:
+        for batch in (1, 16, 64, 256):
+            T, P = 33, 6
+            blocks = batch * -(-(T + 64) // block) + 1
+            cache = torch.randn(layers_all, blocks, block, dim, device=device).to(torch.bfloat16)
+            slots = torch.randperm(blocks * block, generator=gen)[: batch * T].view(batch, T)
+            path = torch.zeros(batch, P, dtype=torch.long)
+            keep = torch.zeros(batch, P, dtype=torch.bool)
+            for b in range(batch):
+                a = int(torch.randint(0, P, (1,), generator=gen))
+                path[b, 1 : a + 1] = torch.randperm(T - 1, generator=gen)[:a].sort().values + 1
+                path[b, a + 1 :] = path[b, a]
+                keep[b, : a + 1] = True
+            args = (layers, slots.to(device), path.to(device), keep.to(device))
+            want, got = cache.clone(), cache.clone()
+            commit_tree_kv_reference(want, *args)
+            commit_tree_kv_triton(got, *args)
+            ok = torch.equal(got.view(torch.int16), want.view(torch.int16))
+            entry = layers * dim * 2
+            rec: dict[str, Any] = {
+                "model": name, "batch": batch, "tree": T, "path": P, "ok": ok,
+                "bytes": (int(keep.sum()) * 2 + batch * T) * entry,  # kept read + write, rest written
+                "triton_graph_ms": _graph_ms(partial(commit_tree_kv_triton, cache, *args)),
+                "torch_graph_ms": _graph_ms(partial(commit_tree_kv_reference, cache, *args)),
+            }
+            records.append(rec)
+            log(f"tree commit {rec}")
+            del cache, want, got
+    return records
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--quick", action="store_true", help="smaller grid (smoke run)")
+    parser.add_argument("--only", choices=["tree_commit"], help="run this part alone")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log = Log(args.out_dir / "gpu_kernels.log")
@@ -256,11 +313,14 @@ def main() -> int:
     env = {"torch": torch.__version__, "triton": triton.__version__, "device": props.name,
            "sms": props.multi_processor_count}
     log(f"env: {env}")
-    result: dict[str, Any] = {"env": env, "checks": run_checks(log)}
-    result["sweep"] = run_sweep(log, args.quick)
-    result["attention"] = run_attention_grid(log, args.quick)
-    result["compaction"] = run_compaction(log)
-    failed = [c for c in result["checks"] if not c["ok"]]
+    result: dict[str, Any] = {"env": env}
+    if args.only is None:
+        result["checks"] = run_checks(log)
+        result["sweep"] = run_sweep(log, args.quick)
+        result["attention"] = run_attention_grid(log, args.quick)
+        result["compaction"] = run_compaction(log)
+    result["tree_commit"] = run_tree_commit(log)
+    failed = [c for c in result.get("checks", []) + result["tree_commit"] if not c["ok"]]
     result["ok"] = not failed
     result["wall_s"] = round(time.time() - t_start, 1)
     json_path = args.out_dir / "gpu_kernels.json"
