@@ -110,6 +110,8 @@ class _Static:
     def _pad_unused(self, num_seqs: int) -> None:
         """Sequences ``num_seqs ..`` of the bucket become dummies over the scratch block."""
         n, unused = num_seqs * self.tokens, self.bucket - num_seqs
+        if unused == 0:  # a full bucket: six empty copies would still cost host time
+            return
         self.ids[n:].zero_()
         self.positions[n:].copy_(self.pad_positions.repeat(unused))
         self.slots[n:].copy_(self.pad_slots.repeat(unused))

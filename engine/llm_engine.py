@@ -38,6 +38,7 @@ from engine.sampling import (
     probs_from_logits,
     sample_from_probs,
     sample_rows,
+    temperature_probs,
     token_counts,
 )
 from engine.scheduler import Scheduler
@@ -912,10 +913,12 @@ class LLMEngine:
         ]
         if sampled:
             params = [seqs[i].sampling for i in sampled]
-            st = SamplingTensors.from_params(params, logits.device)
-            filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params)  # known here: no device read
             rows = logits if len(sampled) == everyone else logits[sampled]
-            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=filters)
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
+                st = SamplingTensors.from_params(params, logits.device)
+                probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
+            else:  # plain temperature sampling: the same probabilities in two kernels
+                probs = temperature_probs(rows, [p.temperature for p in params])
             # Seeded requests draw from their own generator (reproducible); the others share
             # the device's default generator, one kernel for all their rows.
             drawn = sample_rows(probs, [seqs[i].generator if p.seed is not None else None

@@ -106,9 +106,10 @@ class GraphedSampledTree(GraphedTreeStep):
     def _load_sampling(self, buf: _Buffers, seqs: list[Sequence]) -> None:
         n = len(seqs)
         params = [s.sampling for s in seqs]
-        buf.temperature[:n].copy_(torch.tensor([p.temperature for p in params]))
-        buf.top_k[:n].copy_(torch.tensor([p.top_k for p in params]))
-        buf.top_p[:n].copy_(torch.tensor([p.top_p for p in params]))
+        # Unsynchronised copies from pageable memory (staged before each call returns).
+        buf.temperature[:n].copy_(torch.tensor([p.temperature for p in params]), non_blocking=True)
+        buf.top_k[:n].copy_(torch.tensor([p.top_k for p in params]), non_blocking=True)
+        buf.top_p[:n].copy_(torch.tensor([p.top_p for p in params]), non_blocking=True)
         self.variant = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 
     def _probs(self, buf: _Buffers, logits: Tensor) -> Tensor:  # [B, R, V] -> [B, R, V] float32

@@ -16,6 +16,7 @@ from engine.sampling import (
     probs_from_logits,
     sample_from_probs,
     sample_without_replacement,
+    temperature_probs,
     token_counts,
 )
 
@@ -34,6 +35,22 @@ def test_plain_softmax_with_temperature() -> None:
     logits = [[1.0, 2.0, 3.0, 0.5]]
     got = _probs(logits, temperature=0.5)
     torch.testing.assert_close(got, torch.softmax(torch.tensor(logits) / 0.5, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_temperature_probs_equal_the_general_path_bit_for_bit(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 300, generator=gen) * 4).to(dtype)  # [N, V]
+    temps = [0.7, 1.0, 1e-3, 2.5, 0.3]
+    want = probs_from_logits(logits, torch.tensor(temps), torch.zeros(5, dtype=torch.long),
+                             torch.ones(5))  # fmt: skip
+    got = temperature_probs(logits, temps)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_temperature_probs_refuse_greedy_rows() -> None:
+    with pytest.raises(ValueError, match="temperatures > 0"):
+        temperature_probs(torch.zeros(2, 4), [0.5, 0.0])
 
 
 def test_greedy_rows_are_one_hot_lowest_index_on_ties() -> None:
