@@ -80,9 +80,13 @@ class _Static:
         self.pad_table = pad_table.to(device)
         self.pad_slots = pad_slots.to(device)
         self.pad_positions = torch.arange(tokens, device=device)
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]
-        self.positions = self.pad_positions.repeat(bucket)  # [n]
-        self.slots = self.pad_slots.repeat(bucket)  # [n]
+        # ids, positions and slots are the rows of one buffer: a decode step loads them in one
+        # copy from the host (``load_decode``).
+        self.id_pos_slot = torch.stack([
+            torch.zeros(n, dtype=torch.long, device=device), self.pad_positions.repeat(bucket),
+            self.pad_slots.repeat(bucket),
+        ])  # [3, n]  # fmt: skip
+        self.ids, self.positions, self.slots = self.id_pos_slot.unbind(0)  # [n] each
         self.tables = self.pad_table.repeat(bucket, 1)  # [bucket, max_blocks]
         self.ctx = torch.zeros(bucket, dtype=torch.int32, device=device)  # [bucket]
         self.starts = (torch.arange(bucket + 1, device=device) * tokens).to(torch.int32)
@@ -91,6 +95,7 @@ class _Static:
         self.mask = causal.repeat(bucket, 1)  # [n, tokens]
         self.out = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # [n, H]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.padded_from = 0  # sequences from here on hold the padding's values
 
     def batch(self) -> AttentionBatch:
         return AttentionBatch(self.positions, self.slots, self.tables, self.ctx, self.starts, self.mask)
@@ -108,16 +113,39 @@ class _Static:
         self._pad_unused(num_seqs)
 
     def _pad_unused(self, num_seqs: int) -> None:
-        """Sequences ``num_seqs ..`` of the bucket become dummies over the scratch block."""
-        n, unused = num_seqs * self.tokens, self.bucket - num_seqs
-        if unused == 0:  # a full bucket: six empty copies would still cost host time
-            return
-        self.ids[n:].zero_()
-        self.positions[n:].copy_(self.pad_positions.repeat(unused))
-        self.slots[n:].copy_(self.pad_slots.repeat(unused))
-        self.tables[num_seqs:].copy_(self.pad_table.expand(unused, -1))
-        self.ctx[num_seqs:].zero_()
-        self.mask[n:].copy_(self.pad_mask.repeat(unused, 1))
+        """Sequences ``num_seqs ..`` of the bucket become dummies over the scratch block. Those
+        already padding since an earlier load (nothing but loads writes the inputs) are left
+        as they are: a steady batch pads nothing."""
+        end = self.padded_from
+        if num_seqs < end:
+            n, count = num_seqs * self.tokens, end - num_seqs
+            stop = end * self.tokens
+            self.ids[n:stop].zero_()
+            self.positions[n:stop].copy_(self.pad_positions.repeat(count))
+            self.slots[n:stop].copy_(self.pad_slots.repeat(count))
+            self.tables[num_seqs:end].copy_(self.pad_table.expand(count, -1))
+            self.ctx[num_seqs:end].zero_()
+            self.mask[n:stop].copy_(self.pad_mask.repeat(count, 1))
+        self.padded_from = num_seqs
+
+    def load_decode(self, tokens: list[int], tables: list[list[int]], contexts: list[int],
+                    block_size: int) -> None:
+        """One new token per sequence (``tokens[i]`` at position ``contexts[i]``, its context
+        length), written straight into the inputs: ids, positions and slots in one copy, the
+        block tables in another, the context lengths copied from the positions on the device
+        (a one-row sequence's mask is always set). ``load`` of a ``build_batch`` made seven
+        copies to the device and eight more into the inputs."""
+        b = len(tokens)
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for table, p in zip(tables, contexts, strict=True)]  # fmt: skip
+        width = max(len(t) for t in tables)
+        host = int_tensor(tokens + contexts + slots).view(3, b)  # [3, b]
+        self.id_pos_slot[:, :b].copy_(host, non_blocking=True)  # staged before the call returns
+        self.tables[:b, :width].copy_(int_table(tables, width, -1), non_blocking=True)
+        if width < self.tables.shape[1]:
+            self.tables[:b, width:].fill_(-1)
+        self.ctx[:b].copy_(self.positions[:b])
+        self._pad_unused(b)
 
     def load_padded(self, rows: list[SeqRows], block_size: int) -> None:
         """Prefill rows (each at most ``tokens`` new tokens, no per-query limits) padded to the
@@ -273,6 +301,27 @@ class StaticTargetForward:
         if bucket > num_seqs:
             self._zero_scratch(tokens)  # padding rows wrote there: no stale entries left behind
         return st.out[: ids.shape[0]].clone()
+
+    def decode_fits(self, num_seqs: int, width: int) -> bool:
+        """Whether ``run_decode`` takes ``num_seqs`` sequences with block tables ``width`` wide."""
+        return 1 in self.token_counts and self._bucket(num_seqs) is not None and 0 < width <= self.max_blocks
+
+    @torch.inference_mode()
+    def run_decode(self, tokens: list[int], tables: list[list[int]], contexts: list[int]) -> torch.Tensor:
+        """Hidden states [B, H] of an autoregressive step (see ``_Static.load_decode``): the same
+        forward as ``run`` over ``build_batch``'s inputs, with less host work."""
+        b = len(tokens)
+        bucket = self._bucket(b)
+        assert bucket is not None
+        st = self._static[(bucket, 1)]
+        st.load_decode(tokens, tables, contexts, self.pool.block_size)
+        if st.graph is not None:
+            st.graph.replay()
+        else:
+            st.out.copy_(self.model.forward_target(st.ids, st.batch(), self.pool.kv_cache))
+        if bucket > b:
+            self._zero_scratch(1)  # padding rows wrote there: no stale entries left behind
+        return st.out[:b].clone()
 
     # ---- prefill chunks, padded to a captured shape ----
     def prefill_shape(self, rows: list[SeqRows]) -> tuple[int, int] | None:

@@ -704,13 +704,17 @@ class LLMEngine:
         # per-block host work (an adaptive engine reserves a tree's scratch more than the
         # autoregressive baseline, and its autoregressive steps paid for it).
         bs = self.pool.block_size
-        rows = [
-            SeqRows(seq.block_ids[: seq.num_committed // bs + 1], seq.num_committed, [seq.tokens[-1]],
-                    [seq.num_committed], causal_mask(1))
-            for seq in seqs
-        ]  # fmt: skip
-        ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        hidden = self._forward_target(ids, batch, 1)
+        tables = [seq.block_ids[: seq.num_committed // bs + 1] for seq in seqs]
+        static = self.static_forward
+        if static is not None and static.decode_fits(len(seqs), max(map(len, tables))):
+            # Straight into the captured step's inputs (two copies to the device, no batch).
+            hidden = static.run_decode([seq.tokens[-1] for seq in seqs], tables,
+                                       [seq.num_committed for seq in seqs])  # fmt: skip
+        else:
+            rows = [SeqRows(table, seq.num_committed, [seq.tokens[-1]], [seq.num_committed], causal_mask(1))
+                    for seq, table in zip(seqs, tables, strict=True)]  # fmt: skip
+            ids, batch = build_batch(rows, bs, self.device)
+            hidden = self._forward_target(ids, batch, 1)
         logits = self.model.logits(hidden)
         tokens = self._sample_rows(seqs, logits)
         for i, seq in enumerate(seqs):

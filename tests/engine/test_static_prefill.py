@@ -1,6 +1,6 @@
-"""Prefill chunks padded to captured (bucket, tokens) shapes (engine/cuda_graphs.py), run
-eagerly on CPU: the same hidden states, cache entries and tokens as the eager prefill, and
-nothing left in the scratch block."""
+"""Prefill chunks and decode steps padded to captured (bucket, tokens) shapes
+(engine/cuda_graphs.py), run eagerly on CPU: the same hidden states, cache entries and tokens as
+the eager forward, and nothing left in the scratch block."""
 
 from __future__ import annotations
 
@@ -107,3 +107,37 @@ def test_padded_rows_that_are_not_a_plain_prefill_are_written_as_given(small_voc
     ids, batch = build_batch(rows, eager.pool.block_size, eager.device)
     want = eager.model.forward_target(ids, batch, eager.pool.kv_cache)  # [N, H]
     torch.testing.assert_close(got, want)
+
+
+def test_direct_decode_loads_follow_a_batch_that_shrinks_and_grows(small_vocab_dir: Path) -> None:
+    """Autoregressive steps write their inputs straight into the static buffers and pad only
+    the rows that stopped being real: a batch of 4 in bucket 4 that shrinks to 3, 2 and 1 and
+    grows again by a late request gives the eager engine's tokens, and no row left over from a
+    larger batch writes into a freed block."""
+    lengths = [12, 9, 7, 4]  # the last row finishes first: its row becomes padding
+
+    def run(eng: LLMEngine) -> dict[str, list[int]]:
+        outs: dict[str, list[int]] = {}
+        for i, (prompt, n) in enumerate(zip(PROMPTS, lengths, strict=True)):
+            eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        steps = 0
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                outs[out.request_id] = out.token_ids
+            free = list(eng.pool._free)  # a stale padding row would write into a freed block
+            assert torch.count_nonzero(eng.pool.kv_cache[:, free]) == 0, f"step {steps}"
+            steps += 1
+            if steps == 8:  # three have finished or are finishing: one joins the survivor
+                eng.add_request("late", PROMPTS[2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        return outs
+
+    eager, static = _engine(small_vocab_dir, False), _engine(small_vocab_dir, True)
+    forward = static.static_forward
+    assert forward is not None
+    sizes: list[int] = []
+    original = forward.run_decode
+    forward.run_decode = lambda tokens, *a: sizes.append(len(tokens)) or original(tokens, *a)  # type: ignore[method-assign]
+    assert run(static) == run(eager)
+    assert 4 in sizes and 3 in sizes and 1 in sizes and sizes.index(1) < len(sizes) - 1, sizes
+    assert sizes[-1] <= sizes[sizes.index(1) + 1], "the late request joined a smaller batch"
+    assert torch.count_nonzero(static.pool.kv_cache) == 0, "every freed block and scratch zeroed"
