@@ -181,12 +181,13 @@ class _Static:
             if k > 1 and not torch.equal(r.mask, self.pad_mask_host[:k, :k]):
                 mask[i, :k, :k] = r.mask
         n_all = b * t
-        self.ids[:n_all].copy_(int_tensor(ids))
-        self.positions[:n_all].copy_(entry.flatten())
-        self.slots[:n_all].copy_(slots.flatten())
-        self.tables[:b].copy_(table)
-        self.ctx[:b].copy_(ctx.flatten().to(torch.int32))
-        self.mask[:n_all].copy_(mask.view(n_all, t))
+        # From pageable memory without stream synchronisations (staged before each returns).
+        self.ids[:n_all].copy_(int_tensor(ids), non_blocking=True)
+        self.positions[:n_all].copy_(entry.flatten(), non_blocking=True)
+        self.slots[:n_all].copy_(slots.flatten(), non_blocking=True)
+        self.tables[:b].copy_(table, non_blocking=True)
+        self.ctx[:b].copy_(ctx.flatten().to(torch.int32), non_blocking=True)
+        self.mask[:n_all].copy_(mask.view(n_all, t), non_blocking=True)
         self._pad_unused(b)
 
 
@@ -350,4 +351,7 @@ class StaticTargetForward:
         t = st.tokens
         self._zero_scratch(t)  # padding rows wrote there: no stale entries left behind
         keep = [i * t + j for i, r in enumerate(rows) for j in range(len(r.token_ids))]
-        return st.out[torch.tensor(keep, device=st.out.device)]  # [N, H], a copy (a gather)
+        # The index travels without a stream synchronisation (a blocking copy would wait for
+        # the prefill just queued: ~6 ms of host time at a 64-prompt chunk on the H200).
+        index = int_tensor(keep).to(st.out.device, non_blocking=True)  # [N]
+        return st.out[index]  # [N, H], a copy (a gather)

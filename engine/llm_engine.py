@@ -686,7 +686,12 @@ class LLMEngine:
             # its catch-ups uncounted: 0.85x autoregressive decoding.)
             drafting: TreeBudget | None = self.budget
             if self.adaptive is not None:
-                alone = not self.scheduler.num_waiting and len(finishing) == len(work)
+                # Alone: nothing waits and no other request is still in its prefill (a batch
+                # admitted at once fills over several chunks: caught up at its first, the H200's
+                # batch 256 drafted at 64, 128 and 192 sequences, catching each chunk up in turn,
+                # then decoded autoregressively: 19 ms of a 160 ms round for nothing).
+                alone = (not self.scheduler.num_waiting and len(finishing) == len(work)
+                         and not any(s.in_prefill for s in self.scheduler.running))
                 drafting = self._last_drafting if alone else None
             runners = self._graphed_steps(drafting) if drafting is not None else []
             if runners and self.drafter is not None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_tensor import int_tensor
+
 
 class KVCacheFull(ValueError):
     """Not enough free KV blocks (a request that can never fit gets this as a ValueError)."""
@@ -84,7 +86,8 @@ class BlockPool:
         for block in blocks:
             if block not in self._owner:
                 raise AssertionError(f"double free of KV block {block}")
-        index = torch.tensor(blocks, dtype=torch.long, device=self.kv_cache.device)
+        # Copied without a stream synchronisation: a blocking copy waits for all queued work.
+        index = int_tensor(blocks).to(self.kv_cache.device, non_blocking=True)
         self.kv_cache.index_fill_(1, index, 0)
         for block in blocks:
             del self._owner[block]

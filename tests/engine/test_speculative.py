@@ -447,3 +447,27 @@ def test_host_path_adaptive_engines_calibrate_their_latency_model_at_start_up(sm
     graphed = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
                                         engine_config=EngineConfig(cuda_graphs=True))  # fmt: skip
     assert graphed.adaptive is not None and graphed.adaptive.latency is None
+
+
+@pytest.mark.parametrize("others_in_prefill", [True, False])
+def test_a_prefill_catches_up_only_a_request_arriving_alone_at_a_drafting_batch(
+    small_vocab_dir: Path, others_in_prefill: bool,
+) -> None:
+    """After a drafting step, a request that arrives alone has its MTP modules caught up in its
+    prefill (its first decode step can draft at once). A batch admitted together fills over
+    several prefill chunks: its first chunk is not caught up while the others are still in
+    prefill (each would need its own catch-up, and the full batch may decode autoregressively)."""
+    from engine import EngineConfig
+
+    config = EngineConfig(cuda_graphs=True, prefill_chunk_tokens=8)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
+    assert eng.drafter is not None
+    eng._last_drafting = eng.budget  # the last decode step drafted
+    caught: list[int] = []
+    catch_up = eng.drafter.catch_up
+    eng.drafter.catch_up = lambda seqs: caught.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
+    prompts = [[5, 1, 4, 2, 3, 0, 2, 1]] * (3 if others_in_prefill else 1)  # one chunk each
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    eng.step()  # the first chunk: the first request's whole prompt
+    assert caught == ([] if others_in_prefill else [1])
