@@ -11,7 +11,8 @@ continues a session) or the log is full: one gather for all sequences, and nothi
 the rows of sequences that finish first.
 
 Invariant: a sequence's logged rows are its newest committed positions. Nothing else commits
-tokens while rows are logged (the engine flushes before any prefill or speculative step), and
+its tokens while they are logged (the engine flushes before any speculative step, and before a
+prefill of a sequence the log holds: a session's next turn), and
 an autoregressive step never truncates what it committed, so a sequence with ``n`` logged rows
 holds them for hidden indices ``num_committed - n .. num_committed - 1``.
 """
@@ -49,6 +50,10 @@ class HiddenLog:
         self._count += 1
         if self._count >= self.max_steps:
             self.flush()
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether rows of ``seq`` are logged (not yet handed out)."""
+        return any(any(s is seq for s in batch) for batch, _ in self._runs)
 
     def flush(self) -> None:
         """Hand every logged row to its sequence's MTP queue (finished sequences' are dropped):

@@ -99,7 +99,34 @@ def test_rows_out_of_place_are_refused() -> None:
         log.flush()
 
 
+def test_holds_tells_which_sequences_have_logged_rows() -> None:
+    a, b, c = _seq("a", 4), _seq("b", 2), _seq("c", 6)
+    log = HiddenLog()
+    _step(log, [a, b], 0)
+    _step(log, [b], 1)
+    assert log.holds(a) and log.holds(b) and not log.holds(c)
+    log.flush()
+    assert not log.holds(a) and not log.holds(b)
+
+
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+def test_a_new_request_prefilling_leaves_the_log_as_it_is(small_vocab_dir: Path) -> None:
+    """Only a prefill of a sequence the log holds (a session's next turn) hands the rows out
+    first: new requests joining a batch decoding autoregressively do not."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    eng.adaptive.choose = lambda *a, **k: NO_SPEC  # type: ignore[method-assign]
+    for i, prompt in enumerate(([1, 2, 3, 4, 5], [2, 3, 1])):
+        eng.add_request(f"r{i}", prompt, GREEDY)
+    for _ in range(4):
+        eng.step()
+    logged = len(eng._hidden_log)
+    assert logged >= 2
+    eng.add_request("late", [4, 4, 1], GREEDY)
+    eng.step()  # the late request's prefill, and an autoregressive step of the others
+    assert len(eng._hidden_log) == logged + 1, "the log was flushed for a new request"
 
 
 @pytest.mark.parametrize(
