@@ -1,0 +1,27 @@
+"""scripts/ar_step_profile.py: greedy and sampled autoregressive steps, timed and profiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_profiles_greedy_and_sampled_steps_on_random_weights(tmp_path: Path) -> None:
+    out = tmp_path / "profile"
+    proc = subprocess.run(
+        [sys.executable, "scripts/ar_step_profile.py", str(out), "--random-preset", "tiny",
+         "--device", "cpu", "--batch-sizes", "1,3", "--temperatures", "0,1", "--steps", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "ar_step_profile.json").read_text())
+    assert [(r["batch"], r["temperature"]) for r in rows] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    tables = (out / "ar_step_profile.txt").read_text()
+    assert tables.count("==== T=") == 4 and "cProfile" in tables
