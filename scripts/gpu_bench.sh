@@ -24,7 +24,8 @@
 # PROFILE_S seconds (default 120), with --catch-up and host profiles at the last of them, into
 # RESULTS_DIR/profile.tar.gz: one file, as the device tool brings back 8 at most; PROFILE_ARGS,
 # default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
-# MTPSERVE_COMMIT (recorded as the commit when the copy has no .git).
+# MTPSERVE_COMMIT (recorded as the commit; set it where the copy has no .git or a stale one, as
+# on the device tool's machines, whose .git is not the checkout's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 RESULTS_DIR [MODEL_DIR]}
