@@ -534,7 +534,7 @@ class LLMEngine:
             # one of the prefilling sequences (new requests have none: a batch filling over
             # several chunks had paid a flush of the whole log per chunk, ~1 ms at 256 on the
             # H200's host).
-            if any(seq.num_committed and self._hidden_log.holds(seq) for seq, _ in plan.prefill):
+            if any(self._hidden_log.holds(seq) for seq, _ in plan.prefill):
                 self._hidden_log.flush()
             self._prefill(plan.prefill, outputs)
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]

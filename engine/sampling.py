@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.host_tensor import to_device
 from engine.params import SamplingParams
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -51,7 +52,7 @@ class SamplingTensors:
               float(p.frequency_penalty)] for p in params],
             dtype=torch.float64,
         ).reshape(len(params), 5)  # [N, 5]: exact for every float32 value and any top_k
-        cols = host.to(device, non_blocking=True).t()  # [5, N]; staged before the call returns
+        cols = to_device(host, device).t()  # [5, N]
         return cls(
             temperature=cols[0].float(),
             top_k=cols[1].long(),
@@ -116,10 +117,12 @@ def probs_from_logits(
     the result; True / False fix that choice without reading the device (CUDA-graph capture):
     False promises no row uses top-k / top-p and none is greedy, True runs every stage.
     """
-    logits = logits.float()  # [N, V]
-    n, v = logits.shape
     device = logits.device
     temperature = temperature.to(device=device, dtype=torch.float32)  # [N]
+    if filters is False:  # every row samples with neither rule: the greedy and filter stages are no-ops
+        return _temperature_softmax(logits, temperature)
+    logits = logits.float()  # [N, V]
+    n, v = logits.shape
     greedy = temperature <= 0.0  # [N] bool
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)  # [N]
     scaled = logits / temp[:, None]  # [N, V]
@@ -154,14 +157,18 @@ def probs_from_logits(
 
 
 def temperature_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:  # [N, V] float32
-    """``probs_from_logits`` for rows that all sample (every temperature > 0) with neither top-k
-    nor top-p: softmax of ``logits / T``, the same operations and values in two kernels and one
-    unsynchronised copy (the general function spends ~15 kernels on rules these rows don't use,
-    and a sampled decode step of the H200's small model is host-bound)."""
+    """``probs_from_logits(..., filters=False)`` from host temperatures (all > 0): no top-k /
+    top-p tensors to build and copy, one unsynchronised copy (a sampled decode step of the H200's
+    small model is host-bound: the general call had cost ~15 more kernels than greedy)."""
     if any(not t > 0.0 for t in temperatures):
         raise ValueError("temperature_probs needs temperatures > 0 (greedy rows take the argmax)")
-    temp = torch.tensor(temperatures, dtype=torch.float32).to(logits.device, non_blocking=True)  # [N]
-    return (logits.float() / temp[:, None]).softmax(dim=-1)
+    return _temperature_softmax(logits, to_device(torch.tensor(temperatures, dtype=torch.float32), logits.device))
+
+
+def _temperature_softmax(logits: Tensor, temperature: Tensor) -> Tensor:  # [N, V] -> [N, V] float32
+    """softmax(logits / T) per row: what every stage of ``probs_from_logits`` leaves of a row
+    that samples (T > 0) with neither top-k nor top-p, in the same operations."""
+    return (logits.float() / temperature[:, None]).softmax(dim=-1)
 
 
 def _race_keys(probs: Tensor, generator: torch.Generator) -> Tensor:

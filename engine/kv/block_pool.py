@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host_tensor import int_tensor
+from engine.host_tensor import int_tensor, to_device
 
 
 class KVCacheFull(ValueError):
@@ -86,8 +86,7 @@ class BlockPool:
         for block in blocks:
             if block not in self._owner:
                 raise AssertionError(f"double free of KV block {block}")
-        # Copied without a stream synchronisation: a blocking copy waits for all queued work.
-        index = int_tensor(blocks).to(self.kv_cache.device, non_blocking=True)
+        index = to_device(int_tensor(blocks), self.kv_cache.device)
         self.kv_cache.index_fill_(1, index, 0)
         for block in blocks:
             del self._owner[block]

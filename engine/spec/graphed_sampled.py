@@ -106,7 +106,7 @@ class GraphedSampledTree(GraphedTreeStep):
     def _load_sampling(self, buf: _Buffers, seqs: list[Sequence]) -> None:
         n = len(seqs)
         params = [s.sampling for s in seqs]
-        # Unsynchronised copies from pageable memory (staged before each call returns).
+        # Unsynchronised copies from pageable memory (see ``host_tensor.to_device``).
         buf.temperature[:n].copy_(torch.tensor([p.temperature for p in params]), non_blocking=True)
         buf.top_k[:n].copy_(torch.tensor([p.top_k for p in params]), non_blocking=True)
         buf.top_p[:n].copy_(torch.tensor([p.top_p for p in params]), non_blocking=True)

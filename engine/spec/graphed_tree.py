@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from engine.cuda_graphs import capture_or_run_eagerly
-from engine.host_tensor import int_tensor
+from engine.host_tensor import int_tensor, to_device
 from engine.kernels import run_kernel, triton_available
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.kv.compaction import commit_tree_kv
@@ -534,16 +534,11 @@ class GraphedTreeStep:
 
     def _gather_inputs(self, src: _Buffers, dst: _Buffers, to: list[int], rows: list[int]) -> None:
         """Rows ``rows`` of ``src``'s inputs (advanced by its step) become rows ``to`` of ``dst``."""
-        index_to = self._to_device(int_tensor(to))
-        index_from = self._to_device(int_tensor(rows))
+        index_to = to_device(int_tensor(to), self.device)
+        index_from = to_device(int_tensor(rows), self.device)
         for name in ("tables", "L", "c", "tail", "rows0", "carry"):
             gathered = getattr(src, name).index_select(0, index_from)  # before dst is written
             getattr(dst, name).index_copy_(0, index_to, gathered)
-
-    def _to_device(self, host: Tensor) -> Tensor:
-        """A host tensor's copy on the step's device, issued without a stream synchronisation
-        (pageable memory is staged before the call returns; a blocking copy would wait)."""
-        return host.to(self.device, non_blocking=True)
 
     def _load_fresh(
         self, buf: _Buffers, seqs: list[Sequence], rows: list[int], L: list[int], c: list[int]
@@ -560,11 +555,11 @@ class GraphedTreeStep:
         rows0 = torch.nn.utils.rnn.pad_sequence(
             [s.hidden_rows(0) for s in seqs], batch_first=True  # type: ignore[misc]
         )  # [n, max c, H]
-        index = self._to_device(int_tensor(rows))
-        buf.tail.index_copy_(0, index, self._to_device(tail))
-        buf.tables[:, :width].index_copy_(0, index, self._to_device(tables))
-        buf.L.index_copy_(0, index, self._to_device(int_tensor(L)))
-        buf.c.index_copy_(0, index, self._to_device(int_tensor(c)))
+        index = to_device(int_tensor(rows), self.device)
+        buf.tail.index_copy_(0, index, to_device(tail, self.device))
+        buf.tables[:, :width].index_copy_(0, index, to_device(tables, self.device))
+        buf.L.index_copy_(0, index, to_device(int_tensor(L), self.device))
+        buf.c.index_copy_(0, index, to_device(int_tensor(c), self.device))
         buf.rows0[:, : rows0.shape[1]].index_copy_(0, index, rows0)
         if self.k > 1:
             carry = torch.cat([s.hidden_rows(d) for s in seqs for d in range(1, self.k)])  # type: ignore[misc]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_tensor import to_device
 from engine.sequence import SeqStatus, Sequence
 
 MAX_LOGGED_STEPS = 256  # steps kept before the rows are handed out (bounds the memory held)
@@ -79,7 +80,7 @@ class HiddenLog:
         if rows_of:
             flat = steps[0] if len(steps) == 1 else torch.cat(steps)  # [R, H]
             per_seq = [(seq, idx[0] if len(idx) == 1 else torch.cat(idx)) for seq, idx in rows_of.items()]
-            index = torch.cat([idx for _, idx in per_seq]).to(flat.device, non_blocking=True)  # unsynchronised
+            index = to_device(torch.cat([idx for _, idx in per_seq]), flat.device)
             parts = flat.index_select(0, index).split([len(idx) for _, idx in per_seq])
             for (seq, idx), part in zip(per_seq, parts, strict=True):
                 seq.push_hidden(0, seq.num_committed - len(idx), part)

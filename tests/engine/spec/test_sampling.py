@@ -46,6 +46,9 @@ def test_temperature_probs_equal_the_general_path_bit_for_bit(dtype: torch.dtype
                              torch.ones(5))  # fmt: skip
     got = temperature_probs(logits, temps)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+    unfiltered = probs_from_logits(logits, torch.tensor(temps), torch.zeros(5, dtype=torch.long),
+                                   torch.ones(5), filters=False)  # the graphed sampled step's call
+    assert torch.equal(unfiltered, want)
 
 
 def test_temperature_probs_refuse_greedy_rows() -> None:
