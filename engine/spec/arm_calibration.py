@@ -57,9 +57,9 @@ class ArmTiming:
         return self.batch_size * (self.arm.num_draft_tokens + 1)
 
 
-def calibration_batch_sizes(engine: LLMEngine, max_new: int) -> list[int]:
+def calibration_batch_sizes(engine: LLMEngine, max_new: int, prompt_tokens: int = PROMPT_TOKENS) -> list[int]:
     """Powers of two up to the batch limit whose scratch requests the KV pool holds."""
-    per_request = engine.scheduler.blocks_for(PROMPT_TOKENS + max_new)
+    per_request = engine.scheduler.blocks_for(prompt_tokens + max_new)
     sizes, b = [], 1
     while b <= engine.config.max_batch_size and b * per_request <= engine.pool.num_free:
         sizes.append(b)
@@ -68,41 +68,45 @@ def calibration_batch_sizes(engine: LLMEngine, max_new: int) -> list[int]:
 
 
 @torch.inference_mode()
-def calibrate_arms(engine: LLMEngine, no_spec: TreeBudget, seed: int = 0) -> list[ArmTiming]:
+def calibrate_arms(
+    engine: LLMEngine, no_spec: TreeBudget, seed: int = 0, prompt_tokens: int = PROMPT_TOKENS,
+    kinds: tuple[bool, ...] = (False, True),
+) -> list[ArmTiming]:
     """Time every captured arm and ``no_spec`` (the autoregressive step) at every calibration
-    batch size, greedy and sampled; leaves the engine as it found it. Empty without an adaptive
+    batch size, for each kind of step in ``kinds`` (greedy: False, sampled: True), over scratch
+    prompts of ``prompt_tokens``; leaves the engine as it found it. Empty without an adaptive
     controller or captured arms."""
     if engine.adaptive is None:
         return []
     gen = torch.Generator().manual_seed(seed)
     timings: list[ArmTiming] = []
-    for sampled in (False, True):
+    for sampled in kinds:
         arms = engine.graphed_budgets(sampled)
         if not arms:
             continue
         arms = [no_spec, *arms]
         # Tokens a request may need: every arm's steps at its deepest path, plus slack.
         max_new = sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms) + 8
-        if PROMPT_TOKENS + max_new > engine.max_model_len:
+        if prompt_tokens + max_new > engine.max_model_len:
             continue  # a context too short for the scratch requests: learnt online instead
         # Unseeded: a seeded sampled request takes the host-driven path, not the graphed step.
         params = SamplingParams(max_tokens=max_new, ignore_eos=True, temperature=1.0 if sampled else 0.0)
-        for batch in calibration_batch_sizes(engine, max_new):
-            timings += _time_batch(engine, arms, batch, sampled, params, gen)
+        for batch in calibration_batch_sizes(engine, max_new, prompt_tokens):
+            timings += _time_batch(engine, arms, batch, sampled, params, gen, prompt_tokens)
     _reset(engine)
     return timings
 
 
 def _time_batch(
     engine: LLMEngine, arms: list[TreeBudget], batch: int, sampled: bool, params: SamplingParams,
-    gen: torch.Generator,
+    gen: torch.Generator, prompt_tokens: int = PROMPT_TOKENS,
 ) -> list[ArmTiming]:
     adaptive = engine.adaptive
     assert adaptive is not None
     vocab = engine.model_config.vocab_size
     ids = [f"arm-calibration-{int(sampled)}-{batch}-{i}" for i in range(batch)]
     for rid in ids:
-        engine.add_request(rid, torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist(), params)
+        engine.add_request(rid, torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), params)
     timings = []
     try:
         adaptive.forced = arms[0]

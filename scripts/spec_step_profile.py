@@ -1,0 +1,200 @@
+"""How the graphed decode steps' cost depends on the context, and where their device time goes
+(a diagnosis tool).
+
+The adaptive engine calibrates each captured arm's step time at start-up over scratch prompts
+of a few tokens (``engine.spec.arm_calibration``); the H200's batch-256 trace then ran chain-4
+steps at 6.3-6.5 ms against the 3.93 ms calibrated. This times every arm (no speculation, the
+chain, the tree) at each batch size for scratch prompts of each ``--contexts`` length, with
+the calibration's own code, and profiles steady steps of chosen (batch, context, arm) points
+with torch.profiler: device kernels per step, device ms per step, the top kernels by time.
+
+Random weights of a preset's shape (what a step costs does not depend on the weights; the
+acceptance does, so every step is a full tree accepting little)::
+
+    PYTHONPATH=. python scripts/spec_step_profile.py OUT --random-preset gpu
+
+Writes OUT/spec_step_profile.json and OUT/spec_step_profile.txt (the kernel tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.model.config import ModelConfig
+from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.spec.adaptive import NO_SPEC, budget_label
+from engine.spec.arm_calibration import calibrate_arms
+from engine.spec.drafter import TreeBudget
+
+
+def random_adaptive_engine(preset: str, device: torch.device, max_batch: int) -> LLMEngine:
+    """An adaptive engine (its arms captured, not calibrated) over random weights of a
+    training preset's shape."""
+    from train.presets import PRESETS
+
+    cfg = ModelConfig.from_hf_dict(PRESETS[preset].hf_config(0, 1, 2))
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.eval()
+    config = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=(8 << 30) if device.type == "cuda" else 1 << 28,
+                          cuda_graphs=True, calibrate_arms=False)  # fmt: skip
+    return LLMEngine(model, None, frozenset(), SpecConfig(method="adaptive"), config, device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def arm_table(eng: LLMEngine, contexts: list[int]) -> list[dict]:
+    """The start-up calibration's step times (greedy) for scratch prompts of each length."""
+    rows = []
+    for ctx in contexts:
+        t0 = time.perf_counter()
+        timings = calibrate_arms(eng, NO_SPEC, prompt_tokens=ctx, kinds=(False,))
+        print(f"context {ctx}: {len(timings)} timings in {time.perf_counter() - t0:.1f} s", flush=True)
+        rows += [{"context": ctx, "batch": t.batch_size, "arm": budget_label(t.arm),
+                  "ms": round(t.seconds * 1e3, 3)} for t in timings]  # fmt: skip
+    return rows
+
+
+def profile_point(eng: LLMEngine, batch: int, context: int, arm: TreeBudget, steps: int = 3) -> tuple[dict, str]:
+    """Steady steps of ``arm`` forced over ``batch`` random prompts of ``context`` tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    adaptive = eng.adaptive
+    assert adaptive is not None
+    vocab = eng.model_config.vocab_size
+    gen = torch.Generator().manual_seed(batch * 1000 + context)
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    ids = [f"prof-{batch}-{context}-{budget_label(arm)}-{i}" for i in range(batch)]
+    try:
+        adaptive.forced = NO_SPEC
+        for rid in ids:
+            eng.add_request(rid, torch.randint(3, vocab, (context,), generator=gen).tolist(), sp)
+        while eng.num_waiting or any(s.in_prefill for s in map(eng.sequence, ids) if s is not None):
+            eng.step()
+        adaptive.forced = arm
+        for _ in range(4):  # the catch-up after the prefill, then steady steps
+            eng.step()
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        _sync(eng.device)
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                eng.step()
+            _sync(eng.device)
+    finally:
+        adaptive.forced = None
+        for rid in ids:
+            eng.abort_request(rid)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    per_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        per_kernel.setdefault(e.name, []).append(e.device_time)
+    top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:25]
+    row = {
+        "batch": batch, "context": context, "arm": budget_label(arm), "wall_ms": round(wall_ms, 3),
+        "kernels_per_step": len(kernels) / steps,
+        "device_ms_per_step": round(sum(e.device_time for e in kernels) / 1e3 / steps, 3),
+        "top_kernels": [{"name": name[:90], "calls_per_step": len(t) / steps,
+                         "us_per_step": round(sum(t) / steps, 1)} for name, t in top],  # fmt: skip
+    }
+    lines = [f"==== batch {batch} context {context} {row['arm']}: wall {row['wall_ms']} ms, "
+             f"device {row['device_ms_per_step']} ms, {row['kernels_per_step']:.0f} kernels per step"]
+    lines += [f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:6.1f}x  {k['name']}" for k in row["top_kernels"]]
+    return row, "\n".join(lines) + "\n"
+
+
+def attention_sweep(model_cfg: ModelConfig, block_size: int) -> list[dict]:
+    """The tree-MLA attention kernel's tile configurations at the preset's sizes (heads, latent
+    and rope widths, the engine's page size) on the verify shapes of the steps above; each
+    checked against the reference."""
+    import bench.gpu_kernels as gk
+    from engine.kernels.tree_mla_attention import tree_mla_attention
+
+    gk.RANK, gk.ROPE, gk.BLOCK_SIZE = model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim, block_size
+    heads = model_cfg.num_attention_heads
+    configs: list[dict[str, Any]] = [{"block_m": m, "block_n": n, "num_warps": w}
+               for m in (16, 32, 64) for n in (16, 32) for w in (4, 8)]  # fmt: skip
+    records = []
+    for batch, tree, ctx in [(256, 1, 128), (256, 5, 128), (256, 33, 128), (64, 33, 128), (1, 33, 128),
+                             (256, 5, 400)]:  # fmt: skip
+        inputs = gk.build_attention_inputs(batch, tree, ctx, heads, seed=7)
+        ref = gk.attention_reference(**inputs).float()
+        for cfg in configs:
+            rec: dict = {"batch": batch, "tree": tree, "ctx": ctx, **cfg}
+            try:
+                got = tree_mla_attention(**inputs, **cfg).float()
+                rec["ok"] = bool(((got - ref).abs() <= 2e-2 + 2e-2 * ref.abs()).all())
+                rec["us"] = round(gk.bench_ms(partial(tree_mla_attention, **inputs, **cfg)) * 1e3, 1)
+            except Exception as exc:  # e.g. out of shared memory for a large tile
+                rec["error"] = repr(exc)[:200]
+            records.append(rec)
+        mine = records[-len(configs):]
+        best = min((r for r in mine if "us" in r), key=lambda r: r["us"], default=None)
+        default = next(r for r in mine if (r["block_m"], r["block_n"], r["num_warps"]) == (16, 32, 8))
+        print(f"attention B={batch} T={tree} ctx={ctx}: default {default.get('us')} us, best {best}", flush=True)
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--random-preset", default="gpu")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--contexts", default="8,64,160,400")
+    parser.add_argument("--profile", default="256:128:chain,256:128:none,256:128:tree,1:64:tree,1:64:none",
+                        help="batch:context:arm points to profile (arm: none, chain, tree)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    eng = random_adaptive_engine(args.random_preset, device, args.max_batch)
+    print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+    tree, chain = sorted(eng.graphed_budgets(False), key=lambda b: -b.topk)[:2]
+    arms = {"none": NO_SPEC, "chain": chain, "tree": tree}
+    result: dict = {"preset": args.random_preset, "device": str(device)}
+    text = []
+    result["profiles"] = []
+    for point in args.profile.split(","):
+        b, ctx, arm = point.split(":")
+        row, table = profile_point(eng, int(b), int(ctx), arms[arm])
+        print(table, flush=True)
+        result["profiles"].append(row)
+        text.append(table)
+        (args.out / "spec_step_profile.json").write_text(json.dumps(result, indent=1))
+    if device.type == "cuda":
+        result["attention_sweep"] = attention_sweep(eng.model_config, eng.pool.block_size)
+        (args.out / "spec_step_profile.json").write_text(json.dumps(result, indent=1))
+    result["arm_steps"] = arm_table(eng, [int(c) for c in args.contexts.split(",")])
+    (args.out / "spec_step_profile.json").write_text(json.dumps(result, indent=1))
+    (args.out / "spec_step_profile.txt").write_text("".join(text))
+    by: dict[tuple[int, str], dict[int, float]] = {}
+    for r in result["arm_steps"]:
+        by.setdefault((r["batch"], r["arm"]), {})[r["context"]] = r["ms"]
+    ctxs = [int(c) for c in args.contexts.split(",")]
+    print("batch arm " + " ".join(f"ctx{c}" for c in ctxs))
+    for (b, arm), v in sorted(by.items()):
+        print(f"{b:5d} {arm:12s} " + " ".join(f"{v.get(c, float('nan')):7.2f}" for c in ctxs))
+
+
+if __name__ == "__main__":
+    main()
