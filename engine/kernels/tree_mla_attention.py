@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -187,6 +188,28 @@ def _combine_splits_kernel(
     )
 
 
+class Tile(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def default_tile(rank: int) -> Tile:
+    """The tile the kernel runs with by default, for latent width ``rank``.
+
+    Up to R = 256 (the ``gpu`` preset): 64 rows, so a sequence's tree tokens share each key load
+    (with <= 16 heads a tile holds 4 of them; one-token decode rows are unchanged), 16 keys per
+    step and 4 warps. Measured on the H200 at H=12, R=256, context 128
+    (``scripts/spec_step_profile.py``, ``bench/results/h200-2026-12-02-session19-profile.json``):
+    a 33-node tree at batch 256 211-227 us against 489 for the R=512 tile, at batch 64 78 against
+    133; a 5-token chain at batch 256 56 against 82 (135 against 198 at context 400); single-
+    token decode rows 46 against 46. Wider latents (DeepSeek-V3's R = 512) keep 16 rows, 32 keys
+    and 8 warps: a 64-row accumulator of 512 floats would spill registers."""
+    if rank <= 256:
+        return Tile(block_m=64, block_n=16, num_warps=4)
+    return Tile(block_m=16, block_n=32, num_warps=8)
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -212,21 +235,26 @@ def tree_mla_attention(
     scale: float,
     query_ctx_lens: Tensor | None = None,  # [N] int32, None = every committed key
     *,
-    block_m: int = 16,
-    block_n: int = 32,
+    block_m: int | None = None,
+    block_n: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> Tensor:  # [N, H, R] in q_latent's dtype
     """Triton version of ``engine.attention.reference.paged_mla_attention``.
 
     ``block_m`` (rows per tile, tokens x heads, >= 16), ``block_n`` (keys per step, >= 16),
     ``num_splits`` (key splits; None picks from the grid size), ``num_warps`` and
-    ``num_stages`` are tuning knobs that do not change the result beyond rounding. The defaults
-    compile for sm_90 at R=512, P=64 without register spills (Triton 3.6 and 3.8; checked by
-    ``tests/engine/kernels/test_sm90_compile.py``); ``bench/gpu_kernels.py`` times alternatives.
+    ``num_stages`` are tuning knobs that do not change the result beyond rounding; None picks
+    ``default_tile``'s. The defaults compile for sm_90 without register spills (R=512, P=64 and
+    R=256, P=32; Triton 3.6 and 3.8; checked by ``tests/engine/kernels/test_sm90_compile.py``);
+    ``bench/gpu_kernels.py`` and ``scripts/spec_step_profile.py`` time alternatives.
     """
     num_tokens, num_heads, rank = q_latent.shape
+    tile = default_tile(rank)
+    block_m = tile.block_m if block_m is None else block_m
+    block_n = tile.block_n if block_n is None else block_n
+    num_warps = tile.num_warps if num_warps is None else num_warps
     rope_dim = q_rope.shape[-1]
     num_seqs, max_new = block_tables.shape[0], new_mask.shape[1]
     block_size = kv_cache.shape[1]
