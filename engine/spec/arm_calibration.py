@@ -37,7 +37,14 @@ from engine.spec.drafter import TreeBudget
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-PROMPT_TOKENS = 8  # per scratch request: the prefill is not what is timed
+# Tokens per scratch prompt: the context the steps are timed at. A step's attention reads every
+# committed entry, so its cost grows with the context, a drafting step's most (its tree's tokens
+# and MTP rows each read it): on the H200 (gpu preset, batch 256) chain-4 steps cost 3.37 ms at 8
+# tokens, 3.87 at 64, 4.68 at 160 and 6.67 at 400, autoregressive ones 1.67 / 1.82 / 2.08 / 2.55
+# (``bench/results/h200-2026-12-02-session19-profile.json``). Timed at 8, drafting at batch 256
+# looked 1.6 times cheaper than the steps served on 64-token prompts ran, and the engine paid a
+# catch-up of 256 prompts to draft where it could not win. The steps served refine the times.
+PROMPT_TOKENS = 128
 WARM_STEPS = 2  # per arm before timing: a catch-up after the previous arm, a graph variant
 TIMED_STEPS = 4  # per arm: the median is its step time
 
@@ -87,12 +94,14 @@ def calibrate_arms(
         arms = [no_spec, *arms]
         # Tokens a request may need: every arm's steps at its deepest path, plus slack.
         max_new = sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms) + 8
-        if prompt_tokens + max_new > engine.max_model_len:
+        # A short context limit shortens the prompts (a model that short serves short contexts).
+        prompt = min(prompt_tokens, engine.max_model_len - max_new)
+        if prompt < 1:
             continue  # a context too short for the scratch requests: learnt online instead
         # Unseeded: a seeded sampled request takes the host-driven path, not the graphed step.
         params = SamplingParams(max_tokens=max_new, ignore_eos=True, temperature=1.0 if sampled else 0.0)
-        for batch in calibration_batch_sizes(engine, max_new, prompt_tokens):
-            timings += _time_batch(engine, arms, batch, sampled, params, gen, prompt_tokens)
+        for batch in calibration_batch_sizes(engine, max_new, prompt):
+            timings += _time_batch(engine, arms, batch, sampled, params, gen, prompt)
     _reset(engine)
     return timings
 

@@ -81,6 +81,7 @@ EXTRAPOLATION_MARGIN = 0.5  # per batch doubling an estimate is extrapolated ove
 FLOOR_RISE = 0.05  # EWMA weight of a dearer step in an arm's floor cost per token
 HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it is made afresh
 YIELD_PRIOR_SEQ_STEPS = 16.0  # sequence-steps of measurement the simulator's yield counts as
+CALIBRATED_MARGIN = 1.5  # a switch weighed on a drafting cost only calibrated must clear this
 
 
 @dataclass
@@ -101,8 +102,10 @@ class StepCost:
     # Seconds per token when the host is not disturbed: follows a cheaper step at once, a
     # dearer one slowly (what a switch away from this arm is weighed against).
     floor: float = float("inf")
+    served: int = 0  # steps of it served in the bucket (a calibrated cost counts none)
 
     def add(self, seconds: float, rows: int, tokens: int) -> None:
+        self.served += 1
         per_token = seconds / max(tokens, 1)
         if per_token < self.floor:
             self.floor = per_token
@@ -134,6 +137,7 @@ class _Estimate:
     per_token: float  # seconds per emitted token
     measured: bool  # measured in this bucket (else extrapolated from another)
     source: int  # the nearest bucket it was measured in
+    served: bool = True  # its bucket's cost comes from steps served (else from calibration alone)
 
 
 class MeasuredArms:
@@ -173,7 +177,7 @@ class MeasuredArms:
         cost = bucket.costs.get(arm)
         if cost is None:
             bucket.costs[arm] = StepCost(
-                seconds, float(batch_size), float(tokens), 1, seconds, seconds / tokens
+                seconds, float(batch_size), float(tokens), 1, seconds, seconds / tokens, served=1
             )
         else:
             cost.add(seconds, batch_size, tokens)
@@ -310,7 +314,7 @@ class MeasuredArms:
         cost = None if own is None else own.costs.get(arm)
         if cost is not None and cost.count >= MIN_MEASURED:  # measured (or calibrated) here
             per_token = cost.seconds / (cost.rows * self.tokens_per_seq(sampled, arm, cost))
-            return _Estimate(cost.seconds, per_token, True, bucket)
+            return _Estimate(cost.seconds, per_token, True, bucket, cost.served > 0)
         found = sorted(
             ((abs(b - bucket), -b, b) for (b, s), bk in self._buckets.items()
              if s == sampled and (c := bk.costs.get(arm)) is not None and c.count >= MIN_MEASURED),
@@ -330,7 +334,7 @@ class MeasuredArms:
                 floor = cost.seconds * min(rows / cost.rows, 1.0)
                 step = max(cost.seconds + slope * (rows - cost.rows), floor)
         per_token = step / (rows * self.tokens_per_seq(sampled, arm, cost))
-        return _Estimate(step, per_token, False, found[0][2])
+        return _Estimate(step, per_token, False, found[0][2], cost.served > 0)
 
     # ------------------------------------------------------------------ choice
     def choose(
@@ -391,6 +395,11 @@ class MeasuredArms:
             # optimistic as far as its host work per sequence was measured short; it must
             # clear the cost by a margin growing with the doublings it spans.
             margin = 1.0 if est.source >= target else 1.0 + EXTRAPOLATION_MARGIN * (target - est.source)
+            if not est.served:
+                # A cost from start-up calibration alone: random prompts accept almost nothing,
+                # so a served step's host work per accepted token is not in it (the H200's
+                # chain at batch 256 ran 6.4 ms steps against 3.9 calibrated).
+                margin *= CALIBRATED_MARGIN
             saving = self._saving(est, base_cost, batch_size, sampled, arm, tokens_left)
             # Charged on top of the catch-up: under speculation the batch's sequences finish at
             # different steps, the last steps carrying few of them, which steady steps do not
@@ -447,10 +456,16 @@ class MeasuredArms:
             # Nor may a run's catch-up exceed that share of the time the batch may still decode
             # (a catch-up over hundreds of prompts of short requests would; so would one near a
             # batch's end: the H200's batch 256 paid 73 ms to measure a chain with 10 of 64
-            # tokens to go).
-            if share is not None and arm.speculates and catch_up > 0 and tokens_left is not None:
+            # tokens to go). A run to learn an unknown yield also counts what its steps cost
+            # beyond the chosen arm's: the H200's batch 256 ran three tree steps (26 + 14 + 14
+            # ms against 6 for the chain) to learn a yield that batch 1 learns for 1 ms. (A
+            # measured arm's re-runs are already spaced by what they cost, above.)
+            if share is not None and arm.speculates and tokens_left is not None and est is not None:
                 horizon = min(tokens_left, MAX_HORIZON_TOKENS) * batch_size * chosen_cost
-                if catch_up > share * horizon:
+                run_cost = catch_up
+                if (sampled, arm) not in self._yield:
+                    run_cost += RUN * max(est.step - step, 0.0)
+                if run_cost > 0 and run_cost > share * horizon:
                     interval = float(MAX_EXPLORE_INTERVAL)
             waited = bucket.steps - bucket.last_run.get(arm, 0)
             if waited >= interval:

@@ -184,3 +184,29 @@ def test_an_autoregressive_step_next_to_a_prefill_is_not_timed(small_vocab_dir: 
     assert observed == [1]
     eng.step()  # both decode: timed
     assert observed == [1, 2]
+
+
+def test_the_steps_are_timed_at_a_served_context(small_vocab_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scratch prompts are ``PROMPT_TOKENS`` long (a step's attention cost grows with the
+    context: timed at a few tokens, drafting looked far cheaper than served steps ran), and
+    shortened to what a short context limit leaves."""
+    from engine.spec import arm_calibration
+
+    lengths: list[int] = []
+    add = LLMEngine.add_request
+
+    def record(self: LLMEngine, rid: str, ids: list[int], *a: object, **k: object) -> object:
+        if rid.startswith("arm-calibration"):
+            lengths.append(len(ids))
+        return add(self, rid, ids, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LLMEngine, "add_request", record)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=CONFIG)
+    assert lengths and set(lengths) == {arm_calibration.PROMPT_TOKENS}
+    lengths.clear()
+    short = LLMEngine.from_pretrained(
+        small_vocab_dir, spec=SpecConfig(method="adaptive"),
+        engine_config=EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=2, max_model_len=160),
+    )  # fmt: skip
+    assert lengths and max(lengths) < arm_calibration.PROMPT_TOKENS
+    assert eng.adaptive is not None and short.adaptive is not None and short.adaptive.calibration
