@@ -53,6 +53,25 @@ def test_bf16_kernel_matches_reference(
     assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"seed {seed}: {m}")
 
 
+@pytest.mark.parametrize(("ctx_lens", "new_counts", "mask_kind"), [
+    ([130, 64, 7, 300], [33, 33, 33, 33], "tree"), ([128, 90], [5, 1], "causal"), ([0, 40], [13, 13], "tree"),
+])  # fmt: skip
+def test_bf16_default_tile_at_the_gpu_presets_sizes(ctx_lens: list[int], new_counts: list[int], mask_kind: str) -> None:
+    """The gpu preset's latent (H=12, R=256, P=32, page 16) runs ``default_tile``'s 64-row tile:
+    trees, chains and decode rows, with and without per-query contexts (the MTP rows')."""
+    from engine.kernels.tree_mla_attention import default_tile, tree_mla_attention
+
+    assert default_tile(256).block_m == 64
+    seed = random.randrange(1 << 30)
+    for with_qctx in (False, True):
+        case = make_case(seed, ctx_lens, new_counts, mask_kind=mask_kind, heads=12, rank=256, rope=32,
+                         block_size=16, dtype=torch.bfloat16, device="cuda", with_query_ctx=with_qctx)
+        qctx = case.query_ctx_lens if with_qctx else None
+        ref = paged_mla_attention_reference(*case.args(), query_ctx_lens=qctx)
+        got = tree_mla_attention(*case.args(), query_ctx_lens=qctx)
+        assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"seed {seed}: {m}")
+
+
 def test_fp32_kernel_is_tight_and_dispatch_uses_it() -> None:
     from engine.kernels.tree_mla_attention import tree_mla_attention
 
