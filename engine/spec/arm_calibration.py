@@ -64,11 +64,25 @@ class ArmTiming:
         return self.batch_size * (self.arm.num_draft_tokens + 1)
 
 
-def calibration_batch_sizes(engine: LLMEngine, max_new: int, prompt_tokens: int = PROMPT_TOKENS) -> list[int]:
+def scratch_max_tokens(engine: LLMEngine, arms: list[TreeBudget], batch: int, prompt_tokens: int) -> int:
+    """Tokens a scratch request may emit: every arm's steps at its deepest path, plus one per
+    step of the batch's prefill (a prompt prefilled in an early chunk decodes, one token a step,
+    while the later ones are prefilled: 256 prompts of 128 tokens take 8 steps of 4096), plus
+    slack."""
+    timed = sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms)
+    prefill_steps = -(-batch * prompt_tokens // engine.scheduler.prefill_chunk_tokens)
+    return timed + prefill_steps + 8
+
+
+def calibration_batch_sizes(
+    engine: LLMEngine, arms: list[TreeBudget], prompt_tokens: int = PROMPT_TOKENS
+) -> list[int]:
     """Powers of two up to the batch limit whose scratch requests the KV pool holds."""
-    per_request = engine.scheduler.blocks_for(prompt_tokens + max_new)
     sizes, b = [], 1
-    while b <= engine.config.max_batch_size and b * per_request <= engine.pool.num_free:
+    while b <= engine.config.max_batch_size:
+        per_request = engine.scheduler.blocks_for(prompt_tokens + scratch_max_tokens(engine, arms, b, prompt_tokens))
+        if b * per_request > engine.pool.num_free:
+            break
         sizes.append(b)
         b *= 2
     return sizes
@@ -92,15 +106,15 @@ def calibrate_arms(
         if not arms:
             continue
         arms = [no_spec, *arms]
-        # Tokens a request may need: every arm's steps at its deepest path, plus slack.
-        max_new = sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms) + 8
         # A short context limit shortens the prompts (a model that short serves short contexts).
-        prompt = min(prompt_tokens, engine.max_model_len - max_new)
+        longest = engine.config.max_batch_size
+        prompt = min(prompt_tokens, engine.max_model_len - scratch_max_tokens(engine, arms, longest, prompt_tokens))
         if prompt < 1:
             continue  # a context too short for the scratch requests: learnt online instead
-        # Unseeded: a seeded sampled request takes the host-driven path, not the graphed step.
-        params = SamplingParams(max_tokens=max_new, ignore_eos=True, temperature=1.0 if sampled else 0.0)
-        for batch in calibration_batch_sizes(engine, max_new, prompt):
+        for batch in calibration_batch_sizes(engine, arms, prompt):
+            # Unseeded: a seeded sampled request takes the host-driven path, not the graphed step.
+            params = SamplingParams(max_tokens=scratch_max_tokens(engine, arms, batch, prompt), ignore_eos=True,
+                                    temperature=1.0 if sampled else 0.0)  # fmt: skip
             timings += _time_batch(engine, arms, batch, sampled, params, gen, prompt)
     _reset(engine)
     return timings

@@ -10,6 +10,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.spec.adaptive import NO_SPEC, budget_label
+from engine.spec.arm_calibration import calibrate_arms
 
 CONFIG = EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=4)
 
@@ -210,3 +211,33 @@ def test_the_steps_are_timed_at_a_served_context(small_vocab_dir: Path, monkeypa
     )  # fmt: skip
     assert lengths and max(lengths) < arm_calibration.PROMPT_TOKENS
     assert eng.adaptive is not None and short.adaptive is not None and short.adaptive.calibration
+
+
+def test_a_batch_prefilled_over_many_steps_is_timed_whole(small_vocab_dir: Path) -> None:
+    """Prompts prefilled in an early chunk decode while later ones are prefilled, a token a step
+    (on the H200, 256 prompts of 128 tokens take 8 steps of 4096): the scratch requests' token
+    budget covers those steps too, or, where every draft is accepted (a trained model continuing
+    its own text), the early ones finish while timing and the batch shrinks."""
+    config = EngineConfig(cuda_graphs=True, calibrate_arms=False, max_batch_size=4, prefill_chunk_tokens=16)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
+    _always_token_zero(eng.model)
+    timings = calibrate_arms(eng, NO_SPEC, kinds=(False,))
+    assert {t.batch_size for t in timings} == {1, 2, 4}
+    assert not eng.has_unfinished_requests() and not eng.pool.kv_cache.any()
+
+
+@torch.no_grad()
+def _always_token_zero(model: torch.nn.Module) -> None:
+    """Weights under which the target and every MTP module predict token 0 whatever the context,
+    so every draft is accepted: no layer writes to the residual stream, whose every vector (the
+    embeddings, the MTP projections of positive inputs, the norms' outputs) is positive, and only
+    the head's row 0 is nonzero (all ones)."""
+    for name, param in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            param.zero_()
+        elif name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(("embed_tokens.weight", "eh_proj.weight")):
+            param.abs_().add_(0.01)
+    model.lm_head.weight.zero_()
+    model.lm_head.weight[0] = 1.0
