@@ -223,6 +223,15 @@ def test_a_batch_prefilled_over_many_steps_is_timed_whole(small_vocab_dir: Path)
     _always_token_zero(eng.model)
     timings = calibrate_arms(eng, NO_SPEC, kinds=(False,))
     assert {t.batch_size for t in timings} == {1, 2, 4}
+    # The weights do what the test needs: a drafting step accepts its whole path.
+    assert eng.adaptive is not None
+    chain = min(eng.graphed_budgets(False), key=lambda a: a.num_draft_tokens)
+    eng.adaptive.forced = chain
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2 * (chain.depth + 1), temperature=0.0, ignore_eos=True))
+    eng.adaptive.forced = None
+    assert out[0].token_ids == [0] * (2 * (chain.depth + 1))
+    stats = out[0].stats
+    assert stats.num_steps > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert not eng.has_unfinished_requests() and not eng.pool.kv_cache.any()
 
 
