@@ -127,7 +127,7 @@ def attention_sweep(model_cfg: ModelConfig, block_size: int) -> list[dict]:
     and rope widths, the engine's page size) on the verify shapes of the steps above; each
     checked against the reference."""
     import bench.gpu_kernels as gk
-    from engine.kernels.tree_mla_attention import tree_mla_attention
+    from engine.kernels.tree_mla_attention import default_tile, tree_mla_attention
 
     gk.RANK, gk.ROPE, gk.BLOCK_SIZE = model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim, block_size
     heads = model_cfg.num_attention_heads
@@ -149,7 +149,8 @@ def attention_sweep(model_cfg: ModelConfig, block_size: int) -> list[dict]:
             records.append(rec)
         mine = records[-len(configs):]
         best = min((r for r in mine if "us" in r), key=lambda r: r["us"], default=None)
-        default = next(r for r in mine if (r["block_m"], r["block_n"], r["num_warps"]) == (16, 32, 8))
+        tile = default_tile(model_cfg.kv_lora_rank)
+        default = next(r for r in mine if (r["block_m"], r["block_n"], r["num_warps"]) == tuple(tile))
         print(f"attention B={batch} T={tree} ctx={ctx}: default {default.get('us')} us, best {best}", flush=True)
     return records
 

@@ -1,15 +1,17 @@
 """Triton paged absorbed-MLA attention with per-sequence new-token (tree / causal) masks.
 
-Same contract as ``engine/attention/reference.py`` (docs/internals.md). One program handles
-a tile of ``BLOCK_M = BLOCK_Q * BLOCK_H`` rows -- ``BLOCK_Q`` consecutive new tokens of one
-sequence times ``BLOCK_H`` heads -- for one split of that sequence's key range:
+Same contract as ``engine/attention/reference.py`` (docs/internals.md). A sequence's query rows
+are its new tokens times its heads, packed token-major (row ``r`` is token ``r // H``, head
+``r % H``); one program handles a tile of ``BLOCK_M`` consecutive rows for one split of that
+sequence's key range:
 
-    grid = (cdiv(H, BLOCK_H), cdiv(M, BLOCK_Q) * num_splits, B)
+    grid = (cdiv(M * H, BLOCK_M) * num_splits, B)
 
-Head groups vary fastest so the programs that read the same sequence's keys run together and
-share them through L2. Row ``m`` of a tile is token ``m // BLOCK_H``, head ``m % BLOCK_H``:
-with many heads (H = 128) a tile is one token and 16..64 heads; with few heads (tests, tensor
-parallel shards) several tokens of the tree share each key load.
+The tiles of one sequence are adjacent in the grid, so the programs that read the same keys run
+together and share them through L2. Rows are not padded to a power-of-two head count: with
+H = 12, a 5-token chain is 60 rows (one 64-row tile, where head groups of 16 took two tiles and
+wasted 40% of their rows) and a 33-node tree 396 rows (7 tiles, not 9); with many heads
+(H = 128) a 16-row tile is 16 heads of one token, as before.
 
 Keys are visited ``BLOCK_N`` positions at a time through the block table (one table load and
 32-bit in-page offsets when ``BLOCK_N`` divides the page size, a per-key gather otherwise); each
@@ -44,37 +46,94 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (
 
 
 @triton.jit
+def _attend_keys(
+    acc, m_i, l_i,  # [BLOCK_M, BLOCK_R], [BLOCK_M], [BLOCK_M] running output, max, denominator
+    q_lat, q_rope,  # [BLOCK_M, BLOCK_R], [BLOCK_M, BLOCK_P]
+    kv_ptr, bt_row, mask_rows, row_ok, committed,
+    k_from, k_to, ctx, qk_scale, R, P, block_size, stride_kv_blk, stride_kv_off,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    NEW_KEYS: tl.constexpr, HAS_QCTX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+):
+    """Keys ``k_from <= pos < k_to`` into the online softmax. Committed keys (``NEW_KEYS``
+    False, ``k_from`` a multiple of ``BLOCK_N``) are visible up to each row's ``committed``
+    (all of them without ``HAS_QCTX``); new keys (``pos >= ctx``) through the rows' mask."""
+    offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    offs_p = tl.arange(0, BLOCK_P)  # [BLOCK_P]
+    r_ok = offs_r < R
+    p_ok = offs_p < P
+    for start in range(k_from, k_to, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        key_ok = pos < k_to
+        if TILE_IN_PAGE and not NEW_KEYS:
+            # The tile lies in one page: one block-table load, 32-bit offsets in the page.
+            blk = tl.load(bt_row + start // block_size).to(tl.int64)
+            rows_ptr = kv_ptr + blk * stride_kv_blk  # scalar page base
+            entry = (start % block_size + tl.arange(0, BLOCK_N)) * stride_kv_off
+        else:
+            blk = tl.load(bt_row + pos // block_size, mask=key_ok, other=0).to(tl.int64)
+            rows_ptr = kv_ptr
+            entry = blk * stride_kv_blk + (pos % block_size).to(tl.int64) * stride_kv_off
+        k_lat = tl.load(
+            rows_ptr + entry[:, None] + offs_r[None, :],
+            mask=key_ok[:, None] & r_ok[None, :], other=0.0,
+        )  # [BLOCK_N, BLOCK_R]: key latent and value
+        k_rope = tl.load(
+            rows_ptr + entry[:, None] + R + offs_p[None, :],
+            mask=key_ok[:, None] & p_ok[None, :], other=0.0,
+        )  # [BLOCK_N, BLOCK_P]
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N] log2-domain scores
+        if NEW_KEYS:
+            seen = tl.load(
+                mask_rows[:, None] + (pos - ctx)[None, :],
+                mask=row_ok[:, None] & key_ok[None, :], other=0,
+            )  # [BLOCK_M, BLOCK_N] uint8
+            visible = key_ok[None, :] & (seen != 0)
+        elif HAS_QCTX:
+            visible = key_ok[None, :] & (pos[None, :] < committed[:, None])
+        else:
+            visible = key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _tree_mla_fwd_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, bt_ptr, ctx_ptr, qs_ptr, mask_ptr, qctx_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale,  # scale * log2(e)
-    H, R, P, block_size,
+    H: tl.constexpr, R, P, block_size,
     stride_ql_n, stride_ql_h, stride_qr_n, stride_qr_h,
     stride_kv_blk, stride_kv_off,
     stride_bt_b, stride_mask_n,
     stride_out_n, stride_out_h,
-    BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_QCTX: tl.constexpr, DOT_PRECISION: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
-    head_group = tl.program_id(0)
-    q_block = tl.program_id(1) // NUM_SPLITS
-    split = tl.program_id(1) % NUM_SPLITS
-    seq = tl.program_id(2)
+    q_tile = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
+    seq = tl.program_id(1)
 
     tok_begin = tl.load(qs_ptr + seq)
     num_new = tl.load(qs_ptr + seq + 1) - tok_begin
-    if q_block * BLOCK_Q < num_new:
-        offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        q_local = q_block * BLOCK_Q + offs_m // BLOCK_H  # [BLOCK_M] index among new tokens
-        heads = head_group * BLOCK_H + offs_m % BLOCK_H  # [BLOCK_M]
-        row_ok = (q_local < num_new) & (heads < H)  # [BLOCK_M]
-        tok = (tok_begin + q_local).to(tl.int64)  # [BLOCK_M] flat token index n
+    if q_tile * BLOCK_M < num_new * H:
+        row = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] packed row: token * H + head
+        row_ok = row < num_new * H  # [BLOCK_M]
+        tok = (tok_begin + row // H).to(tl.int64)  # [BLOCK_M] flat token index n
+        heads = row % H  # [BLOCK_M]
         offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
         offs_p = tl.arange(0, BLOCK_P)  # [BLOCK_P]
         r_ok = offs_r < R
-        p_ok = offs_p < P
 
         q_lat = tl.load(
             q_lat_ptr + tok[:, None] * stride_ql_n + heads[:, None] * stride_ql_h + offs_r[None, :],
@@ -83,16 +142,17 @@ def _tree_mla_fwd_kernel(
         q_rope = tl.load(
             q_rope_ptr + tok[:, None] * stride_qr_n + heads[:, None] * stride_qr_h
             + offs_p[None, :],
-            mask=row_ok[:, None] & p_ok[None, :], other=0.0,
+            mask=row_ok[:, None] & (offs_p < P)[None, :], other=0.0,
         )  # [BLOCK_M, BLOCK_P]
 
         ctx = tl.load(ctx_ptr + seq)
         if HAS_QCTX:
             committed = tl.load(qctx_ptr + tok, mask=row_ok, other=0)  # [BLOCK_M]
         else:
-            committed = tl.zeros([BLOCK_M], dtype=tl.int32) + ctx  # [BLOCK_M]
-        # Keys this tile may see: committed ones, then new ones up to its last token.
-        last_local = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, num_new)
+            committed = ctx
+        # Keys this tile may see: committed ones, then new ones up to its last token. A split
+        # takes a chunk of them (a multiple of BLOCK_N keys).
+        last_local = tl.minimum((q_tile * BLOCK_M + BLOCK_M - 1) // H + 1, num_new)
         kv_len = ctx + last_local
         chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         k_begin = split * chunk
@@ -102,48 +162,20 @@ def _tree_mla_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running denominator
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)  # [BLOCK_M, BLOCK_R]
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
-        for start in range(k_begin, k_end, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-            key_ok = pos < k_end
-            if TILE_IN_PAGE:
-                # The tile lies in one page: one block-table load, 32-bit offsets in the page.
-                blk = tl.load(bt_row + start // block_size).to(tl.int64)
-                rows_ptr = kv_ptr + blk * stride_kv_blk  # scalar page base
-                entry = (start % block_size + tl.arange(0, BLOCK_N)) * stride_kv_off
-            else:
-                blk = tl.load(bt_row + pos // block_size, mask=key_ok, other=0).to(tl.int64)
-                rows_ptr = kv_ptr
-                entry = blk * stride_kv_blk + (pos % block_size).to(tl.int64) * stride_kv_off
-            k_lat = tl.load(
-                rows_ptr + entry[:, None] + offs_r[None, :],
-                mask=key_ok[:, None] & r_ok[None, :], other=0.0,
-            )  # [BLOCK_N, BLOCK_R]: key latent and value
-            k_rope = tl.load(
-                rows_ptr + entry[:, None] + R + offs_p[None, :],
-                mask=key_ok[:, None] & p_ok[None, :], other=0.0,
-            )  # [BLOCK_N, BLOCK_P]
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
-            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-            s = s * qk_scale  # [BLOCK_M, BLOCK_N] log2-domain scores
-
-            j = pos - ctx  # [BLOCK_N] index among new tokens (negative: committed)
-            is_new = (j >= 0) & key_ok
-            new_seen = tl.load(
-                mask_ptr + tok[:, None] * stride_mask_n + j[None, :],
-                mask=row_ok[:, None] & is_new[None, :], other=0,
-            )  # [BLOCK_M, BLOCK_N] uint8
-            old_seen = (pos[None, :] < committed[:, None]) & (j < 0)[None, :]
-            visible = key_ok[None, :] & (old_seen | (new_seen != 0))
-            s = tl.where(visible, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION
-            )
-            m_i = m_new
+        mask_rows = mask_ptr + tok * stride_mask_n  # [BLOCK_M] each row's mask over new tokens
+        # Committed keys first (no mask to read), then the new tokens through the mask.
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q_lat, q_rope, kv_ptr, bt_row, mask_rows, row_ok, committed,
+            k_begin, tl.minimum(k_end, ctx), ctx, qk_scale, R, P, block_size,
+            stride_kv_blk, stride_kv_off, BLOCK_N, BLOCK_R, BLOCK_P, False, HAS_QCTX,
+            DOT_PRECISION, TILE_IN_PAGE,
+        )
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q_lat, q_rope, kv_ptr, bt_row, mask_rows, row_ok, committed,
+            tl.maximum(k_begin, ctx), k_end, ctx, qk_scale, R, P, block_size,
+            stride_kv_blk, stride_kv_off, BLOCK_N, BLOCK_R, BLOCK_P, True, HAS_QCTX,
+            DOT_PRECISION, TILE_IN_PAGE,
+        )
 
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_R]
@@ -197,17 +229,20 @@ class Tile(NamedTuple):
 def default_tile(rank: int) -> Tile:
     """The tile the kernel runs with by default, for latent width ``rank``.
 
-    Up to R = 256 (the ``gpu`` preset): 64 rows, so a sequence's tree tokens share each key load
-    (with <= 16 heads a tile holds 4 of them; one-token decode rows are unchanged), 16 keys per
-    step and 4 warps. Measured on the H200 at H=12, R=256, context 128
-    (``scripts/spec_step_profile.py``, ``bench/results/h200-2026-12-02-session19-profile.json``):
-    a 33-node tree at batch 256 211-227 us against 489 for the R=512 tile, at batch 64 78 against
-    133; a 5-token chain at batch 256 56 against 82 (135 against 198 at context 400); single-
-    token decode rows 46 against 46. Wider latents (DeepSeek-V3's R = 512) keep 16 rows, 32 keys
-    and 8 warps: a 64-row accumulator of 512 floats would spill registers."""
-    if rank <= 256:
-        return Tile(block_m=64, block_n=16, num_warps=4)
-    return Tile(block_m=16, block_n=32, num_warps=8)
+    Up to R = 256 (the ``gpu`` preset): 64 rows (a 5-token chain's 60 at H = 12, one token's
+    heads for decode rows), 16 keys per step and 4 warps. On the H200 at H=12, R=256, page 16
+    (``bench/results/h200-2026-12-03-session21-attention.json``), against the kernel before
+    rows were packed (head groups padded to 16), same tile: a 5-token chain at batch 256,
+    context 128, 35.5 us against 59.4 (74.2 against 136.4 at context 400); a 33-node tree at
+    batch 256 193.8 against 228.0, at batch 64 62.4 against 75.6; 9 tokens at batch 256 59.7
+    against 79.4; decode rows 44.6 against 49.2. A 128-row tile (32 keys, 8 warps) was faster
+    for trees at batch 64-256 (163.6 us at 256) but slower at batches 4-32 in engine steps, and
+    spills 2 KB of registers where the MTP rows read per-query contexts. Wider latents
+    (DeepSeek-V3's R = 512) keep 16 rows, 32 keys and 8 warps: a 64-row accumulator of 512
+    floats would spill heavily."""
+    if rank > 256:
+        return Tile(block_m=16, block_n=32, num_warps=8)
+    return Tile(block_m=64, block_n=16, num_warps=4)
 
 
 @functools.cache
@@ -216,9 +251,13 @@ def _num_sms(device_index: int) -> int:
 
 
 def _pick_num_splits(base_programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
-    """Enough key splits to give the GPU ~2 waves of programs, each split >= 4 key blocks."""
+    """Enough key splits to give the GPU ~2 waves of programs, each split >= 4 key blocks;
+    none once the grid fills half the SMs (``max_keys`` is the block tables' capacity, not the
+    context, which a captured graph does not know: splits of a short context are mostly the
+    combine's overhead; on the H200 a 33-node tree at batch 16, 112 programs, ran 114 us split
+    in 3 against 88 unsplit)."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    if base_programs >= sms:
+    if 2 * base_programs >= sms:
         return 1
     want = math.ceil(2 * sms / max(base_programs, 1))
     return max(1, min(want, 16, math.ceil(max_keys / (4 * block_n))))
@@ -246,17 +285,18 @@ def tree_mla_attention(
     ``block_m`` (rows per tile, tokens x heads, >= 16), ``block_n`` (keys per step, >= 16),
     ``num_splits`` (key splits; None picks from the grid size), ``num_warps`` and
     ``num_stages`` are tuning knobs that do not change the result beyond rounding; None picks
-    ``default_tile``'s. The defaults compile for sm_90 without register spills (R=512, P=64 and
-    R=256, P=32; Triton 3.6 and 3.8; checked by ``tests/engine/kernels/test_sm90_compile.py``);
-    ``bench/gpu_kernels.py`` and ``scripts/spec_step_profile.py`` time alternatives.
+    ``default_tile``'s. The defaults compile for sm_90 (R=512, P=64 without register spills;
+    R=256, P=32 with a few hundred bytes, still the fastest measured; Triton 3.6 and 3.8;
+    checked by ``tests/engine/kernels/test_sm90_compile.py``); ``bench/gpu_kernels.py`` and
+    ``scripts/spec_step_profile.py`` time alternatives.
     """
     num_tokens, num_heads, rank = q_latent.shape
+    num_seqs, max_new = block_tables.shape[0], new_mask.shape[1]
     tile = default_tile(rank)
     block_m = tile.block_m if block_m is None else block_m
     block_n = tile.block_n if block_n is None else block_n
     num_warps = tile.num_warps if num_warps is None else num_warps
     rope_dim = q_rope.shape[-1]
-    num_seqs, max_new = block_tables.shape[0], new_mask.shape[1]
     block_size = kv_cache.shape[1]
     assert kv_cache.shape[-1] == rank + rope_dim and kv_cache.stride(-1) == 1
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
@@ -266,17 +306,13 @@ def tree_mla_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    block_h = min(triton.next_power_of_2(num_heads), triton.next_power_of_2(block_m))
-    block_q = max(1, min(triton.next_power_of_2(block_m) // block_h,
-                         triton.next_power_of_2(max_new)))
-    block_q = max(block_q, 16 // block_h)  # tl.dot needs >= 16 rows
-    head_groups = triton.cdiv(num_heads, block_h)
-    q_blocks = triton.cdiv(max_new, block_q)
+    # Rows per tile: a power of two, >= 16 (tl.dot), no more than a sequence's rows need.
+    block_m = max(16, min(triton.next_power_of_2(block_m), triton.next_power_of_2(max_new * num_heads)))
+    q_tiles = triton.cdiv(max_new * num_heads, block_m)
     if num_splits is None:
         max_keys = block_tables.shape[1] * block_size
-        num_splits = _pick_num_splits(head_groups * q_blocks * num_seqs, max_keys, block_n,
-                                      q_latent.device)
-    assert q_blocks * num_splits < 65536 and num_seqs < 65536, "grid too large"
+        num_splits = _pick_num_splits(q_tiles * num_seqs, max_keys, block_n, q_latent.device)
+    assert num_seqs < 65536, "grid too large"
 
     mask_u8 = new_mask.contiguous().view(torch.uint8)  # [N, M]
     block_tables = block_tables.to(torch.int32)  # [B, max_blocks] (no-op when already int32)
@@ -289,7 +325,7 @@ def tree_mla_attention(
         part_acc = part_ml = out  # unused
     qctx = query_ctx_lens.to(torch.int32) if query_ctx_lens is not None else ctx_lens
 
-    grid = (head_groups, q_blocks * num_splits, num_seqs)
+    grid = (q_tiles * num_splits, num_seqs)
     _tree_mla_fwd_kernel[grid](
         q_latent, q_rope, kv_cache, block_tables, ctx_lens.to(torch.int32),
         query_start.to(torch.int32), mask_u8, qctx,
@@ -300,7 +336,7 @@ def tree_mla_attention(
         kv_cache.stride(0), kv_cache.stride(1),
         block_tables.stride(0), mask_u8.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
         BLOCK_P=max(16, triton.next_power_of_2(rope_dim)),
         NUM_SPLITS=num_splits, HAS_QCTX=query_ctx_lens is not None,

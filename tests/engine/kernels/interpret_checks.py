@@ -63,6 +63,15 @@ ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
         dict(seed=5, ctx_lens=[7, 12], new_counts=[4, 3], with_query_ctx=True), {}
     ),
     "heads20_fp32": (dict(seed=6, ctx_lens=[5, 9], new_counts=[2, 3], heads=20), {}),
+    # Rows are packed token * H + head: with 12 heads a 16-row tile holds parts of two tokens
+    # (its key range ends at the later one's) and a 64-row tile five and a third.
+    "heads12_straddling_bm16": (
+        dict(seed=8, ctx_lens=[7, 3, 20], new_counts=[5, 9, 1], heads=12), dict(block_m=16)
+    ),
+    "heads12_straddling_split3_qctx": (
+        dict(seed=9, ctx_lens=[7, 3, 20], new_counts=[5, 9, 1], heads=12, with_query_ctx=True),
+        dict(num_splits=3),
+    ),
     "tree_fp16": (
         dict(seed=7, ctx_lens=[3, 21], new_counts=[5, 7], dtype=torch.float16, rank=32), {}
     ),

@@ -57,8 +57,9 @@ def test_bf16_kernel_matches_reference(
     ([130, 64, 7, 300], [33, 33, 33, 33], "tree"), ([128, 90], [5, 1], "causal"), ([0, 40], [13, 13], "tree"),
 ])  # fmt: skip
 def test_bf16_default_tile_at_the_gpu_presets_sizes(ctx_lens: list[int], new_counts: list[int], mask_kind: str) -> None:
-    """The gpu preset's latent (H=12, R=256, P=32, page 16) runs ``default_tile``'s 64-row tile:
-    trees, chains and decode rows, with and without per-query contexts (the MTP rows')."""
+    """The gpu preset's latent (H=12, R=256, P=32, page 16) runs ``default_tile``'s 64-row tile
+    (rows packed token x 12 heads, so tiles straddle tokens): trees, chains and decode rows,
+    with and without per-query contexts (the MTP rows')."""
     from engine.kernels.tree_mla_attention import default_tile, tree_mla_attention
 
     assert default_tile(256).block_m == 64
