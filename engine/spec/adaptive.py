@@ -158,6 +158,24 @@ class AdaptiveController:
         self.steps_per_arm[chosen] += 1
         return chosen
 
+    def drafting_arm(
+        self, engine: LLMEngine, batch_size: int, sampled: bool, lag_rows: int,
+        tokens_left: float | None, closed: bool,
+    ) -> TreeBudget | None:
+        """The captured drafting arm a batch of ``batch_size`` would switch to from
+        autoregressive decoding over ``lag_rows`` rows behind (``MeasuredArms.drafting_arm``),
+        None if it would not draft; no choice is made or counted. None also on the host path
+        (it plans from live statistics as it goes) and while an arm is forced (calibration)."""
+        if self.forced is not None:
+            return None
+        arms = self._graphed_arms.get(sampled)
+        if arms is None:
+            arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
+        if not arms:
+            return None
+        self._predict_yields(engine, sampled, arms)
+        return self.arms.drafting_arm(batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, closed)
+
     def _predict_yields(self, engine: LLMEngine, sampled: bool, arms: list[TreeBudget]) -> None:
         """Hand the captured arms the simulator's yield of each drafting budget under the live
         acceptance statistics (greedy or sampled steps'), re-predicted as they grow by a

@@ -371,45 +371,12 @@ class MeasuredArms:
         if not known:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(lag_rows)
-        base = estimates[arms[0]]
-        # A switch to drafting is weighed against autoregressive decoding measured here, at
-        # its floor cost: its steps' cost varies with the host's load, and a switch decided on
-        # a dear moment pays its catch-up for nothing (the H200's batch 64 did).
-        measured_ar = bucket.costs.get(arms[0])
-        base_cost = None
-        if measured_ar is not None and measured_ar.count >= MIN_MEASURED and base is not None:
-            base_cost = min(base.per_token, measured_ar.floor)
-
+        base_cost = self._base_cost(bucket, arms[0], estimates[arms[0]])
         drains = closed and tokens_left is not None and self.spread.ready
 
         def pays(arm: TreeBudget) -> bool:
-            est = estimates[arm]
-            if not arm.speculates or (catch_up <= 0 and not drains):
-                return True
-            if est is None or base_cost is None:
-                # Autoregressive decoding not measured here yet: its few steps cost what the
-                # baseline's do, while a line extrapolated from small batches can put it at
-                # ten times its cost (the H200's noise at batch 4, drawn out to 64).
-                return catch_up <= 0
-            # An estimate extrapolated from smaller batches (a line through two of them) is
-            # optimistic as far as its host work per sequence was measured short; it must
-            # clear the cost by a margin growing with the doublings it spans.
-            margin = 1.0 if est.source >= target else 1.0 + EXTRAPOLATION_MARGIN * (target - est.source)
-            if not est.served:
-                # A cost from start-up calibration alone: random prompts accept almost nothing,
-                # so a served step's host work per accepted token is not in it (the H200's
-                # chain at batch 256 ran 6.4 ms steps against 3.9 calibrated).
-                margin *= CALIBRATED_MARGIN
-            saving = self._saving(est, base_cost, batch_size, sampled, arm, tokens_left)
-            # Charged on top of the catch-up: under speculation the batch's sequences finish at
-            # different steps, the last steps carrying few of them, which steady steps do not
-            # show (nor does the catch-up). From the spread of yields when it is known and
-            # nothing joins the batch; else a fixed number of the arm's steps.
-            if drains:
-                drain = self._drain_seconds(est, batch_size, sampled, arm, tokens_left)  # type: ignore[arg-type]
-            else:
-                drain = DRAIN_STEPS * est.step
-            return saving > margin * (catch_up + drain)
+            return self._switch_pays(arm, estimates[arm], base_cost, batch_size, sampled, catch_up,
+                                     drains, tokens_left)  # fmt: skip
 
         best = arms[min(known)[1]]
         chosen = best if pays(best) else arms[0]
@@ -475,6 +442,76 @@ class MeasuredArms:
             return self._explore(bucket, max(overdue, key=lambda o: o[0])[1])
         self._held = (key, chosen, bucket.steps + HOLD_STEPS)
         return self._ran(bucket, chosen)
+
+    def drafting_arm(
+        self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int,
+        tokens_left: float | None, closed: bool = False,
+    ) -> TreeBudget | None:
+        """The drafting arm ``choose`` would switch to at ``batch_size`` from autoregressive
+        decoding with ``lag_rows`` rows to catch up, by the costs and yields known now (None:
+        it would not draft, or too little is known to tell); ``closed``: that batch will only
+        shrink (its drain is charged as ``choose`` charges it). A question, not a choice:
+        nothing is explored or recorded. A batch still being prefilled asks it of the batch it
+        becomes, to catch its prompts up in their prefill (cheaper than one catch-up after it)."""
+        target = batch_size.bit_length()
+        estimates = {arm: self.estimate(target, sampled, arm) for arm in arms}
+        known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
+        if not known:
+            return None
+        best = arms[min(known)[1]]
+        base_cost = self._base_cost(self._buckets.get((target, sampled), _Bucket()), arms[0], estimates[arms[0]])
+        catch_up = self.catch_up_seconds(lag_rows)
+        if not best.speculates or base_cost is None or catch_up <= 0:
+            return None
+        drains = closed and tokens_left is not None and self.spread.ready
+        pays = self._switch_pays(best, estimates[best], base_cost, batch_size, sampled, catch_up, drains, tokens_left)
+        return best if pays else None
+
+    @staticmethod
+    def _base_cost(bucket: _Bucket, no_spec: TreeBudget, base: _Estimate | None) -> float | None:
+        """Autoregressive decoding's seconds per token a switch to drafting is weighed against:
+        measured in the bucket, at its floor cost (its steps' cost varies with the host's load,
+        and a switch decided on a dear moment pays its catch-up for nothing: the H200's batch 64
+        did). None: not measured there."""
+        measured_ar = bucket.costs.get(no_spec)
+        if measured_ar is None or measured_ar.count < MIN_MEASURED or base is None:
+            return None
+        return min(base.per_token, measured_ar.floor)
+
+    def _switch_pays(
+        self, arm: TreeBudget, est: _Estimate | None, base_cost: float | None, batch_size: int,
+        sampled: bool, catch_up: float, drains: bool, tokens_left: float | None,
+    ) -> bool:
+        """Whether ``arm`` may be chosen over autoregressive decoding (``base_cost`` seconds per
+        token) when a switch to it first catches up for ``catch_up`` seconds; ``drains``: the
+        batch only shrinks and its spread of yields is known."""
+        if not arm.speculates or (catch_up <= 0 and not drains):
+            return True
+        if est is None or base_cost is None:
+            # Autoregressive decoding not measured here yet: its few steps cost what the
+            # baseline's do, while a line extrapolated from small batches can put it at
+            # ten times its cost (the H200's noise at batch 4, drawn out to 64).
+            return catch_up <= 0
+        # An estimate extrapolated from smaller batches (a line through two of them) is
+        # optimistic as far as its host work per sequence was measured short; it must
+        # clear the cost by a margin growing with the doublings it spans.
+        target = batch_size.bit_length()
+        margin = 1.0 if est.source >= target else 1.0 + EXTRAPOLATION_MARGIN * (target - est.source)
+        if not est.served:
+            # A cost from start-up calibration alone: random prompts accept almost nothing,
+            # so a served step's host work per accepted token is not in it (the H200's
+            # chain at batch 256 ran 6.4 ms steps against 3.9 calibrated).
+            margin *= CALIBRATED_MARGIN
+        saving = self._saving(est, base_cost, batch_size, sampled, arm, tokens_left)
+        # Charged on top of the catch-up: under speculation the batch's sequences finish at
+        # different steps, the last steps carrying few of them, which steady steps do not
+        # show (nor does the catch-up). From the spread of yields when it is known and
+        # nothing joins the batch; else a fixed number of the arm's steps.
+        if drains:
+            drain = self._drain_seconds(est, batch_size, sampled, arm, tokens_left)  # type: ignore[arg-type]
+        else:
+            drain = DRAIN_STEPS * est.step
+        return saving > margin * (catch_up + drain)
 
     def _saving(
         self, new: _Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,

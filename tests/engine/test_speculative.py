@@ -471,3 +471,44 @@ def test_a_prefill_catches_up_only_a_request_arriving_alone_at_a_drafting_batch(
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     eng.step()  # the first chunk: the first request's whole prompt
     assert caught == ([] if others_in_prefill else [1])
+
+
+@pytest.mark.parametrize("drafts_once_full", [True, False])
+def test_a_filling_batch_that_will_draft_is_caught_up_chunk_by_chunk(
+    small_vocab_dir: Path, drafts_once_full: bool,
+) -> None:
+    """A batch admitted together fills over several prefill chunks. Where the batch it becomes
+    would switch to drafting, its catch-up over every prompt counted (the step costs known for
+    its size say so), each chunk's prompts are caught up in their prefill, so the drafting step
+    after the fill has nothing to catch up; where it would decode autoregressively, none is."""
+    from engine import EngineConfig
+    from engine.spec.adaptive import NO_SPEC
+
+    config = EngineConfig(cuda_graphs=True, prefill_chunk_tokens=24)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
+    assert eng.drafter is not None and eng.adaptive is not None
+    arms = eng.graphed_budgets(False)
+    assert arms
+    eng.adaptive.arms.catch_up.calibrate([(8, 0.0005), (64, 0.001)])
+    eng.adaptive.arms.seed_cost(3, False, NO_SPEC, 0.010)
+    for arm in arms:  # per token far below (or above) an autoregressive step
+        eng.adaptive.arms.seed_cost(3, False, arm, 0.001 if drafts_once_full else 0.100)
+    caught: list[int] = []
+    catch_up = eng.drafter.catch_up
+    eng.drafter.catch_up = lambda seqs: caught.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
+    # One chunk each, longer than a steady step's catch-up rows (shorter prompts need none).
+    for i in range(3):
+        eng.add_request(f"r{i}", [5, 1, 4, 2, 3, 0, 2, 1] * 3, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    eng.step()  # the first chunk: the first request's whole prompt, two others still to come
+    assert caught == ([1] if drafts_once_full else [])
+    # Drafting during and after the fill gives the autoregressive tokens.
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o.token_ids
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(
+        [[5, 1, 4, 2, 3, 0, 2, 1] * 3], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert all(final[f"r{i}"] == base[0].token_ids for i in range(3))
+    if drafts_once_full:
+        assert set(eng.adaptive.steps_per_arm) - {NO_SPEC}, "it drafted"

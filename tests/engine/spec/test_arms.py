@@ -566,3 +566,34 @@ def test_no_run_of_a_dear_arm_to_learn_its_yield_where_a_small_batch_would_learn
     assert TREE not in chosen and chosen.count(CHAIN) == 40
     small = [arms.choose(1, False, ARMS, 0, tokens_left=64) for _ in range(8)]
     assert TREE in small
+
+
+@pytest.mark.parametrize(("tokens_left", "drafts"), [(200, True), (10, False)])
+def test_a_filling_batch_asks_whether_it_will_draft_once_full_without_choosing(
+    tokens_left: int, drafts: bool
+) -> None:
+    """``drafting_arm`` answers for the batch a fill becomes (the engine then catches each
+    prefill chunk up as it goes): the chain, if its saving over the horizon clears the catch-up
+    of every prompt (64 prompts of 100 rows here), else None; asking records nothing, so the
+    choices that follow are what they would have been."""
+    def measured() -> MeasuredArms:
+        arms = MeasuredArms(explore_every=10_000)
+        for _ in range(3):
+            arms.observe(64, False, NO_SPEC, 0.010, 64)
+            arms.observe(64, False, CHAIN, 0.026, 200)  # 0.13 ms per token against 0.16
+        arms.catch_up.calibrate([(64, 0.004), (6400, 0.012)])
+        return arms
+
+    arms = measured()
+    asked = arms.drafting_arm(64, False, [NO_SPEC, CHAIN], 6400, tokens_left)
+    assert asked == (CHAIN if drafts else None)
+    assert arms.drafting_arm(64, False, [NO_SPEC, CHAIN], 6400, tokens_left, closed=True) == asked
+    # Nothing known at a batch size or no catch-up cost known: no answer.
+    assert arms.drafting_arm(64, True, [NO_SPEC, CHAIN], 6400, tokens_left) is None
+    fresh = MeasuredArms()
+    assert fresh.drafting_arm(64, False, [NO_SPEC, CHAIN], 6400, tokens_left) is None
+    # The next choices are those of an instance never asked.
+    other = measured()
+    for lag in (6400, 6400, 0, 0):
+        assert arms.choose(64, False, [NO_SPEC, CHAIN], lag, tokens_left) == other.choose(
+            64, False, [NO_SPEC, CHAIN], lag, tokens_left)  # fmt: skip
