@@ -70,8 +70,11 @@ def arm_table(eng: LLMEngine, contexts: list[int]) -> list[dict]:
     return rows
 
 
-def profile_point(eng: LLMEngine, batch: int, context: int, arm: TreeBudget, steps: int = 3) -> tuple[dict, str]:
-    """Steady steps of ``arm`` forced over ``batch`` random prompts of ``context`` tokens."""
+def profile_point(
+    eng: LLMEngine, batch: int, context: int, arm: TreeBudget, steps: int = 3, sequence: bool = False
+) -> tuple[dict, str]:
+    """Steady steps of ``arm`` forced over ``batch`` random prompts of ``context`` tokens;
+    ``sequence``: also list one step's kernels in launch order."""
     from torch.profiler import ProfilerActivity, profile
 
     adaptive = eng.adaptive
@@ -119,6 +122,15 @@ def profile_point(eng: LLMEngine, batch: int, context: int, arm: TreeBudget, ste
     lines = [f"==== batch {batch} context {context} {row['arm']}: wall {row['wall_ms']} ms, "
              f"device {row['device_ms_per_step']} ms, {row['kernels_per_step']:.0f} kernels per step"]
     lines += [f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:6.1f}x  {k['name']}" for k in row["top_kernels"]]
+    if sequence and len(kernels) >= steps:
+        # One step's kernels in launch order (the last profiled step): which of them are the
+        # drafting depths' glue, the verify, the acceptance; gaps are idle device time.
+        ordered = sorted(kernels, key=lambda e: e.time_range.start)
+        per_step = len(ordered) // steps
+        last = ordered[-per_step:]
+        lines.append(f"---- one step's kernels in order ({per_step}): start offset us, duration us, name")
+        t0 = last[0].time_range.start
+        lines += [f"  {e.time_range.start - t0:9.1f} {e.device_time:7.1f}  {e.name[:110]}" for e in last]
     return row, "\n".join(lines) + "\n"
 
 
@@ -164,6 +176,10 @@ def main() -> None:
     parser.add_argument("--contexts", default="8,64,160,400")
     parser.add_argument("--profile", default="256:128:chain,256:128:none,256:128:tree,1:64:tree,1:64:none",
                         help="batch:context:arm points to profile (arm: none, chain, tree)")
+    parser.add_argument("--sequence", action="store_true",
+                        help="also list each profiled step's kernels in launch order")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="only the profiles: no attention tile sweep, no arm table")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -177,11 +193,14 @@ def main() -> None:
     result["profiles"] = []
     for point in args.profile.split(","):
         b, ctx, arm = point.split(":")
-        row, table = profile_point(eng, int(b), int(ctx), arms[arm])
+        row, table = profile_point(eng, int(b), int(ctx), arms[arm], sequence=args.sequence)
         print(table, flush=True)
         result["profiles"].append(row)
         text.append(table)
         (args.out / "spec_step_profile.json").write_text(json.dumps(result, indent=1))
+        (args.out / "spec_step_profile.txt").write_text("".join(text))
+    if args.no_sweep:
+        return
     if device.type == "cuda":
         result["attention_sweep"] = attention_sweep(eng.model_config, eng.pool.block_size)
         (args.out / "spec_step_profile.json").write_text(json.dumps(result, indent=1))
