@@ -55,7 +55,11 @@ long requests, or a small batch behind by a few rows, switch at once. Every run 
 pay a catch-up, also one measuring an arm known only from other batch sizes, must fit that
 catch-up within its share of the batch's horizon; and while requests are being prefilled into
 the batch (``filling``), nothing switches to drafting over a lag: the batch is about to change
-bucket and the newcomers need their own catch-up.
+bucket and the newcomers need their own catch-up. Instead the engine asks, as each prefill
+chunk of a filling batch ends, whether the batch it becomes would switch to drafting with the
+catch-up of all its prompts counted (``drafting_arm``, which decides as ``choose`` would but
+records nothing); if so it catches each chunk up in its prefill, and the chunks already
+prefilled, nothing left to catch up, may draft while the rest are prefilled.
 """
 
 from __future__ import annotations
