@@ -1,17 +1,19 @@
 """Triton paged absorbed-MLA attention with per-sequence new-token (tree / causal) masks.
 
 Same contract as ``engine/attention/reference.py`` (docs/internals.md). A sequence's query rows
-are its new tokens times its heads, packed token-major (row ``r`` is token ``r // H``, head
-``r % H``); one program handles a tile of ``BLOCK_M`` consecutive rows for one split of that
-sequence's key range:
+are its new tokens times ``HEAD_STRIDE`` rows each (row ``r`` is token ``r // HEAD_STRIDE``,
+head ``r % HEAD_STRIDE``, a padding row where that is ``>= H``); one program handles a tile of
+``BLOCK_M`` consecutive rows for one split of that sequence's key range:
 
-    grid = (cdiv(M * H, BLOCK_M) * num_splits, B)
+    grid = (cdiv(M * HEAD_STRIDE, BLOCK_M) * num_splits, B)
 
 The tiles of one sequence are adjacent in the grid, so the programs that read the same keys run
-together and share them through L2. Rows are not padded to a power-of-two head count: with
-H = 12, a 5-token chain is 60 rows (one 64-row tile, where head groups of 16 took two tiles and
-wasted 40% of their rows) and a 33-node tree 396 rows (7 tiles, not 9); with many heads
-(H = 128) a 16-row tile is 16 heads of one token, as before.
+together and share them through L2. On a grid that fills the GPU the rows are packed
+(``HEAD_STRIDE = H``): with H = 12, a 5-token chain is 60 rows (one 64-row tile, where rows of
+16 took two and wasted 40% of them) and a 33-node tree 396 rows (7 tiles, not 9). On a small
+grid, whose time is one program's latency, each token's heads are padded to a power of two,
+which keeps the tile's row arithmetic cheap enough to stay in registers (``_pack_heads``).
+With many heads (H = 128) a 16-row tile is 16 heads of one token either way.
 
 Keys are visited ``BLOCK_N`` positions at a time through the block table (one table load and
 32-bit in-page offsets when ``BLOCK_N`` divides the page size, a per-key gather otherwise); each
@@ -55,17 +57,18 @@ def _attend_keys(
     NEW_KEYS: tl.constexpr, HAS_QCTX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
 ):
-    """Keys ``k_from <= pos < k_to`` into the online softmax. Committed keys (``NEW_KEYS``
-    False, ``k_from`` a multiple of ``BLOCK_N``) are visible up to each row's ``committed``
-    (all of them without ``HAS_QCTX``); new keys (``pos >= ctx``) through the rows' mask."""
+    """Keys ``k_from <= pos < k_to`` into the online softmax, ``BLOCK_N`` at a time from the
+    multiple of ``BLOCK_N`` at or below ``k_from`` (so a tile stays in one page). Committed keys
+    (``NEW_KEYS`` False) are visible up to each row's ``committed`` (all of them without
+    ``HAS_QCTX``); new keys (``pos >= ctx``) through the rows' mask."""
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     offs_p = tl.arange(0, BLOCK_P)  # [BLOCK_P]
     r_ok = offs_r < R
     p_ok = offs_p < P
-    for start in range(k_from, k_to, BLOCK_N):
+    for start in range(k_from // BLOCK_N * BLOCK_N, k_to, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        key_ok = pos < k_to
-        if TILE_IN_PAGE and not NEW_KEYS:
+        key_ok = (pos >= k_from) & (pos < k_to)
+        if TILE_IN_PAGE:
             # The tile lies in one page: one block-table load, 32-bit offsets in the page.
             blk = tl.load(bt_row + start // block_size).to(tl.int64)
             rows_ptr = kv_ptr + blk * stride_kv_blk  # scalar page base
@@ -116,6 +119,7 @@ def _tree_mla_fwd_kernel(
     stride_kv_blk, stride_kv_off,
     stride_bt_b, stride_mask_n,
     stride_out_n, stride_out_h,
+    HEAD_STRIDE: tl.constexpr,  # tile rows per token: H (packed) or a power of two >= H
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_QCTX: tl.constexpr, DOT_PRECISION: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
@@ -126,11 +130,11 @@ def _tree_mla_fwd_kernel(
 
     tok_begin = tl.load(qs_ptr + seq)
     num_new = tl.load(qs_ptr + seq + 1) - tok_begin
-    if q_tile * BLOCK_M < num_new * H:
-        row = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] packed row: token * H + head
-        row_ok = row < num_new * H  # [BLOCK_M]
-        tok = (tok_begin + row // H).to(tl.int64)  # [BLOCK_M] flat token index n
-        heads = row % H  # [BLOCK_M]
+    if q_tile * BLOCK_M < num_new * HEAD_STRIDE:
+        row = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token * HEAD_STRIDE + head
+        heads = row % HEAD_STRIDE  # [BLOCK_M]
+        row_ok = (row < num_new * HEAD_STRIDE) & (heads < H)  # [BLOCK_M]
+        tok = (tok_begin + row // HEAD_STRIDE).to(tl.int64)  # [BLOCK_M] flat token index n
         offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
         offs_p = tl.arange(0, BLOCK_P)  # [BLOCK_P]
         r_ok = offs_r < R
@@ -152,7 +156,7 @@ def _tree_mla_fwd_kernel(
             committed = ctx
         # Keys this tile may see: committed ones, then new ones up to its last token. A split
         # takes a chunk of them (a multiple of BLOCK_N keys).
-        last_local = tl.minimum((q_tile * BLOCK_M + BLOCK_M - 1) // H + 1, num_new)
+        last_local = tl.minimum((q_tile * BLOCK_M + BLOCK_M - 1) // HEAD_STRIDE + 1, num_new)
         kv_len = ctx + last_local
         chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         k_begin = split * chunk
@@ -250,6 +254,28 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _rows_per_tile(block_m: int, rows: int) -> int:
+    """Rows per tile: a power of two, >= 16 (``tl.dot``), no more than a sequence's ``rows``
+    need."""
+    return max(16, min(triton.next_power_of_2(block_m), triton.next_power_of_2(rows)))
+
+
+def _pack_heads(num_heads: int, max_new: int, num_seqs: int, block_m: int, device: torch.device) -> bool:
+    """Whether to pack query rows token x head: where the packed grid fills at least half the
+    SMs (no key splits: fewer programs, each as dear, is less time). On a smaller grid each
+    program's latency is the time, and a power-of-two head count keeps it short: at H = 12 the
+    packed 64-row tile spills 572 bytes of registers at sm_90 against 120 for rows of 16 heads,
+    and on the H200 a batch-1 tree step's attention took 12.0 us per call packed against 9.0
+    with the earlier head-padded kernel (``h200-2026-12-03-session21-b1-kernel-sequence.txt``).
+    With a power-of-two head count both layouts are the same."""
+    if num_heads & (num_heads - 1) == 0:
+        return True
+    rows = max_new * num_heads
+    programs = triton.cdiv(rows, _rows_per_tile(block_m, rows)) * num_seqs
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    return 2 * programs >= sms
+
+
 def _pick_num_splits(base_programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
     """Enough key splits to give the GPU ~2 waves of programs, each split >= 4 key blocks;
     none once the grid fills half the SMs (``max_keys`` is the block tables' capacity, not the
@@ -279,13 +305,15 @@ def tree_mla_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    pack_heads: bool | None = None,
 ) -> Tensor:  # [N, H, R] in q_latent's dtype
     """Triton version of ``engine.attention.reference.paged_mla_attention``.
 
     ``block_m`` (rows per tile, tokens x heads, >= 16), ``block_n`` (keys per step, >= 16),
-    ``num_splits`` (key splits; None picks from the grid size), ``num_warps`` and
-    ``num_stages`` are tuning knobs that do not change the result beyond rounding; None picks
-    ``default_tile``'s. The defaults compile for sm_90 (R=512, P=64 without register spills;
+    ``num_splits`` (key splits; None picks from the grid size), ``num_warps``, ``num_stages``
+    and ``pack_heads`` (rows packed token x head, or each token's heads padded to a power of
+    two; None: ``_pack_heads``) are tuning knobs that do not change the result beyond
+    rounding; None picks ``default_tile``'s. The defaults compile for sm_90 (R=512, P=64 without register spills;
     R=256, P=32 with a few hundred bytes, still the fastest measured; Triton 3.6 and 3.8;
     checked by ``tests/engine/kernels/test_sm90_compile.py``); ``bench/gpu_kernels.py`` and
     ``scripts/spec_step_profile.py`` time alternatives.
@@ -306,9 +334,11 @@ def tree_mla_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    # Rows per tile: a power of two, >= 16 (tl.dot), no more than a sequence's rows need.
-    block_m = max(16, min(triton.next_power_of_2(block_m), triton.next_power_of_2(max_new * num_heads)))
-    q_tiles = triton.cdiv(max_new * num_heads, block_m)
+    if pack_heads is None:
+        pack_heads = _pack_heads(num_heads, max_new, num_seqs, block_m, q_latent.device)
+    head_stride = num_heads if pack_heads else triton.next_power_of_2(num_heads)
+    block_m = _rows_per_tile(block_m, max_new * head_stride)
+    q_tiles = triton.cdiv(max_new * head_stride, block_m)
     if num_splits is None:
         max_keys = block_tables.shape[1] * block_size
         num_splits = _pick_num_splits(q_tiles * num_seqs, max_keys, block_n, q_latent.device)
@@ -336,7 +366,7 @@ def tree_mla_attention(
         kv_cache.stride(0), kv_cache.stride(1),
         block_tables.stride(0), mask_u8.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_STRIDE=head_stride, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
         BLOCK_P=max(16, triton.next_power_of_2(rope_dim)),
         NUM_SPLITS=num_splits, HAS_QCTX=query_ctx_lens is not None,

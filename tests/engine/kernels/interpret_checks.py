@@ -66,12 +66,18 @@ ATTENTION_CASES: dict[str, tuple[dict, dict]] = {
     # Rows are packed token * H + head: with 12 heads a 16-row tile holds parts of two tokens
     # (its key range ends at the later one's) and a 64-row tile five and a third.
     "heads12_straddling_bm16": (
-        dict(seed=8, ctx_lens=[7, 3, 20], new_counts=[5, 9, 1], heads=12), dict(block_m=16)
+        dict(seed=8, ctx_lens=[7, 3, 20], new_counts=[5, 9, 1], heads=12), dict(block_m=16, pack_heads=True)
     ),
     "heads12_straddling_split3_qctx": (
         dict(seed=9, ctx_lens=[7, 3, 20], new_counts=[5, 9, 1], heads=12, with_query_ctx=True),
-        dict(num_splits=3),
+        dict(num_splits=3, pack_heads=True),
     ),
+    # Small grids pad each token's 12 heads to 16 rows (the padding rows read and write nothing).
+    "heads12_padded_split3_qctx": (
+        dict(seed=10, ctx_lens=[7, 3, 20], new_counts=[5, 9, 1], heads=12, with_query_ctx=True),
+        dict(num_splits=3, pack_heads=False),
+    ),
+    "heads12_padded_bm16": (dict(seed=11, ctx_lens=[21, 4], new_counts=[7, 2], heads=12), dict(block_m=16, pack_heads=False)),
     "tree_fp16": (
         dict(seed=7, ctx_lens=[3, 21], new_counts=[5, 7], dtype=torch.float16, rank=32), {}
     ),

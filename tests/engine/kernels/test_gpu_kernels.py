@@ -69,8 +69,10 @@ def test_bf16_default_tile_at_the_gpu_presets_sizes(ctx_lens: list[int], new_cou
                          block_size=16, dtype=torch.bfloat16, device="cuda", with_query_ctx=with_qctx)
         qctx = case.query_ctx_lens if with_qctx else None
         ref = paged_mla_attention_reference(*case.args(), query_ctx_lens=qctx)
-        got = tree_mla_attention(*case.args(), query_ctx_lens=qctx)
-        assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"seed {seed}: {m}")
+        for pack_heads in (None, True, False):  # the grid's choice, then each layout
+            got = tree_mla_attention(*case.args(), query_ctx_lens=qctx, pack_heads=pack_heads)
+            assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2,
+                         msg=lambda m, p=pack_heads: f"seed {seed}, pack_heads {p}: {m}")  # fmt: skip
 
 
 def test_fp32_kernel_is_tight_and_dispatch_uses_it() -> None:
