@@ -260,20 +260,26 @@ def _rows_per_tile(block_m: int, rows: int) -> int:
     return max(16, min(triton.next_power_of_2(block_m), triton.next_power_of_2(rows)))
 
 
+def _fills_half_the_gpu(programs: int, device: torch.device) -> bool:
+    """Whether a grid of ``programs`` occupies at least half the SMs (4 off a GPU): from there
+    on the kernel is throughput-bound, below it each program's latency is the time."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    return 2 * programs >= sms
+
+
 def _pack_heads(num_heads: int, max_new: int, num_seqs: int, block_m: int, device: torch.device) -> bool:
-    """Whether to pack query rows token x head: where the packed grid fills at least half the
-    SMs (no key splits: fewer programs, each as dear, is less time). On a smaller grid each
-    program's latency is the time, and a power-of-two head count keeps it short: at H = 12 the
-    packed 64-row tile spills 572 bytes of registers at sm_90 against 120 for rows of 16 heads,
-    and on the H200 a batch-1 tree step's attention took 12.0 us per call packed against 9.0
-    with the earlier head-padded kernel (``h200-2026-12-03-session21-b1-kernel-sequence.txt``).
-    With a power-of-two head count both layouts are the same."""
+    """Whether to pack query rows token x head: where the packed grid fills half the GPU (no
+    key splits: fewer programs, each as dear, is less time). On a smaller grid each program's
+    latency is the time, and a power-of-two head count keeps it short: at H = 12 the 64-row
+    tile spills 584 bytes of registers at sm_90 packed against 340 with heads padded to 16
+    (``tests/engine/kernels/sm90_compile_checks.py``), and on the H200 a batch-1 tree step's
+    attention took 12.0 us per call packed against 9.0 with the earlier head-padded kernel
+    (``h200-2026-12-03-session21-b1-kernel-sequence.txt``). With a power-of-two head count
+    both layouts are the same."""
     if num_heads & (num_heads - 1) == 0:
         return True
     rows = max_new * num_heads
-    programs = triton.cdiv(rows, _rows_per_tile(block_m, rows)) * num_seqs
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    return 2 * programs >= sms
+    return _fills_half_the_gpu(triton.cdiv(rows, _rows_per_tile(block_m, rows)) * num_seqs, device)
 
 
 def _pick_num_splits(base_programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
@@ -282,9 +288,9 @@ def _pick_num_splits(base_programs: int, max_keys: int, block_n: int, device: to
     context, which a captured graph does not know: splits of a short context are mostly the
     combine's overhead; on the H200 a 33-node tree at batch 16, 112 programs, ran 114 us split
     in 3 against 88 unsplit)."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    if 2 * base_programs >= sms:
+    if _fills_half_the_gpu(base_programs, device):
         return 1
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
     want = math.ceil(2 * sms / max(base_programs, 1))
     return max(1, min(want, 16, math.ceil(max_keys / (4 * block_n))))
 
@@ -313,10 +319,10 @@ def tree_mla_attention(
     ``num_splits`` (key splits; None picks from the grid size), ``num_warps``, ``num_stages``
     and ``pack_heads`` (rows packed token x head, or each token's heads padded to a power of
     two; None: ``_pack_heads``) are tuning knobs that do not change the result beyond
-    rounding; None picks ``default_tile``'s. The defaults compile for sm_90 (R=512, P=64 without register spills;
-    R=256, P=32 with a few hundred bytes, still the fastest measured; Triton 3.6 and 3.8;
-    checked by ``tests/engine/kernels/test_sm90_compile.py``); ``bench/gpu_kernels.py`` and
-    ``scripts/spec_step_profile.py`` time alternatives.
+    rounding; None picks ``default_tile``'s. The defaults compile for sm_90 (R=512, P=64
+    without register spills; R=256, P=32 with a few hundred bytes, still the fastest measured;
+    Triton 3.6 and 3.8; checked by ``tests/engine/kernels/test_sm90_compile.py``);
+    ``bench/gpu_kernels.py`` and ``scripts/spec_step_profile.py`` time alternatives.
     """
     num_tokens, num_heads, rank = q_latent.shape
     num_seqs, max_new = block_tables.shape[0], new_mask.shape[1]

@@ -144,9 +144,7 @@ class AdaptiveController:
         if self.forced is not None:
             return self.forced
         self._choices += 1
-        arms = self._graphed_arms.get(sampled)
-        if arms is None:
-            arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
+        arms = self._captured_arms(engine, sampled)
         if arms:
             self._predict_yields(engine, sampled, arms)
         else:  # host-driven path: the planner's tree is already the model's choice
@@ -168,13 +166,19 @@ class AdaptiveController:
         (it plans from live statistics as it goes) and while an arm is forced (calibration)."""
         if self.forced is not None:
             return None
-        arms = self._graphed_arms.get(sampled)
-        if arms is None:
-            arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
+        arms = self._captured_arms(engine, sampled)
         if not arms:
             return None
         self._predict_yields(engine, sampled, arms)
         return self.arms.drafting_arm(batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, closed)
+
+    def _captured_arms(self, engine: LLMEngine, sampled: bool) -> list[TreeBudget]:
+        """The budgets the engine captured device steps for (greedy or sampled; empty on the
+        host path), looked up once."""
+        arms = self._graphed_arms.get(sampled)
+        if arms is None:
+            arms = self._graphed_arms[sampled] = engine.graphed_budgets(sampled)
+        return arms
 
     def _predict_yields(self, engine: LLMEngine, sampled: bool, arms: list[TreeBudget]) -> None:
         """Hand the captured arms the simulator's yield of each drafting budget under the live

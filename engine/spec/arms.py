@@ -370,9 +370,8 @@ class MeasuredArms:
         key = (target, sampled, tuple(arms), lag_rows > 0)
         if self._held is not None and self._held[0] == key and bucket.steps < self._held[2]:
             return self._ran(bucket, self._held[1])
-        estimates = {arm: self.estimate(target, sampled, arm) for arm in arms}
-        known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
-        if not known:  # nothing measured anywhere: run every arm in turn
+        estimates, best = self._cheapest(target, sampled, arms)
+        if best is None:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(lag_rows)
         base_cost = self._base_cost(bucket, arms[0], estimates[arms[0]])
@@ -382,7 +381,6 @@ class MeasuredArms:
             return self._switch_pays(arm, estimates[arm], base_cost, batch_size, sampled, catch_up,
                                      drains, tokens_left)  # fmt: skip
 
-        best = arms[min(known)[1]]
         chosen = best if pays(best) else arms[0]
         step = estimates[chosen].step  # type: ignore[union-attr]
         chosen_cost = estimates[chosen].per_token  # type: ignore[union-attr]
@@ -458,18 +456,25 @@ class MeasuredArms:
         nothing is explored or recorded. A batch still being prefilled asks it of the batch it
         becomes, to catch its prompts up in their prefill (cheaper than one catch-up after it)."""
         target = batch_size.bit_length()
-        estimates = {arm: self.estimate(target, sampled, arm) for arm in arms}
-        known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
-        if not known:
+        estimates, best = self._cheapest(target, sampled, arms)
+        if best is None or not best.speculates:
             return None
-        best = arms[min(known)[1]]
         base_cost = self._base_cost(self._buckets.get((target, sampled), _Bucket()), arms[0], estimates[arms[0]])
         catch_up = self.catch_up_seconds(lag_rows)
-        if not best.speculates or base_cost is None or catch_up <= 0:
+        if base_cost is None or catch_up <= 0:
             return None
         drains = closed and tokens_left is not None and self.spread.ready
         pays = self._switch_pays(best, estimates[best], base_cost, batch_size, sampled, catch_up, drains, tokens_left)
         return best if pays else None
+
+    def _cheapest(
+        self, target: int, sampled: bool, arms: list[TreeBudget]
+    ) -> tuple[dict[TreeBudget, _Estimate | None], TreeBudget | None]:
+        """Every arm's estimate at bucket ``target`` and the one cheapest per token (the first
+        of equals; None: none measured anywhere)."""
+        estimates = {arm: self.estimate(target, sampled, arm) for arm in arms}
+        known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
+        return estimates, (arms[min(known)[1]] if known else None)
 
     @staticmethod
     def _base_cost(bucket: _Bucket, no_spec: TreeBudget, base: _Estimate | None) -> float | None:
