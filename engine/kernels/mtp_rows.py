@@ -59,16 +59,19 @@ def _mtp_rows_kernel(
 
 def mtp_rows_triton(
     L: Tensor, c: Tensor, window: Tensor, meta: Tensor, mask: Tensor, trash: int, ctx_offset: int,
-    catch_up: bool, columns: tuple[int, int, int, int, int],
+    catch_up: bool, columns: tuple[int, int, int, int, int], zero: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(positions, slots, ctx lens, new mask, query ctx lens, slots to zero), as
-    ``_RowPlan.inputs_torch``; ``columns``: the table's (POS, WIN, QON, QOFF, KEEP) columns."""
+    ``_RowPlan.inputs_torch``; ``columns``: the table's (POS, WIN, QON, QOFF, KEEP) columns;
+    ``zero``: where to write the slots to zero ([B * R] int64 contiguous; None: a new tensor)."""
     B, W = window.shape
     R = meta.shape[1]
     dev = window.device
     pos = torch.empty(B * R, dtype=torch.int64, device=dev)
     slots = torch.empty_like(pos)
-    zero = torch.empty_like(pos)
+    if zero is None:
+        zero = torch.empty_like(pos)
+    assert zero.shape == pos.shape and zero.dtype == pos.dtype and zero.is_contiguous()
     ctx = torch.empty(B, dtype=torch.int32, device=dev)
     qctx = torch.empty(B * R, dtype=torch.int32, device=dev)
     new_mask = torch.empty(B * R, R, dtype=torch.bool, device=dev)

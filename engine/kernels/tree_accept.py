@@ -10,7 +10,8 @@ inside the graphed step this is one.
 
 Outputs, as ``accept_greedy``: accepted count ``a`` [B, 1]; the path [B, D + 1] (node indices,
 root first; entries past ``a`` repeat the deepest accepted node); the bonus token [B, 1] (the
-target at that node); has-children [B, D + 1]; sibling rank [B, D + 1].
+target at that node); has-children [B, D + 1]; sibling rank [B, D + 1]; on the path [B, D + 1]
+(depth ``j <= a``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _pick(values, idx, at):
 @triton.jit
 def _accept_greedy_kernel(
     tok_ptr, par_ptr, tgt_ptr,  # [B, n] int64
-    num_ptr, path_ptr, bonus_ptr, child_ptr, rank_ptr,  # outputs
+    num_ptr, path_ptr, bonus_ptr, child_ptr, rank_ptr, on_path_ptr,  # outputs
     n, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -59,6 +60,8 @@ def _accept_greedy_kernel(
         tl.store(rank_ptr + out + d, rank)
     tl.store(num_ptr + b, num)
     tl.store(bonus_ptr + b, _pick(tgt, idx, cur))
+    for d in tl.static_range(DEPTH + 1):
+        tl.store(on_path_ptr + out + d, d <= num)
 
 
 def accept_greedy_triton(
@@ -66,8 +69,9 @@ def accept_greedy_triton(
     parents: Tensor,  # [B, n]
     target: Tensor,  # [B, n] target argmax at each node
     max_depth: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(accepted [B, 1], path [B, D+1], bonus [B, 1], has_child [B, D+1] bool, rank [B, D+1])."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(accepted [B, 1], path [B, D+1], bonus [B, 1], has_child [B, D+1] bool, rank [B, D+1],
+    on_path [B, D+1] bool)."""
     B, n = tokens.shape
     dev = tokens.device
     num = torch.empty(B, 1, dtype=torch.int64, device=dev)
@@ -75,9 +79,10 @@ def accept_greedy_triton(
     bonus = torch.empty(B, 1, dtype=torch.int64, device=dev)
     has_child = torch.empty(B, max_depth + 1, dtype=torch.bool, device=dev)
     rank = torch.empty(B, max_depth + 1, dtype=torch.int64, device=dev)
+    on_path = torch.empty(B, max_depth + 1, dtype=torch.bool, device=dev)
     _accept_greedy_kernel[(B,)](
         tokens.long().contiguous(), parents.long().contiguous(), target.long().contiguous(),
-        num, path, bonus, has_child, rank,
+        num, path, bonus, has_child, rank, on_path,
         n, DEPTH=max_depth, BLOCK=triton.next_power_of_2(max(n, 2)),
     )  # fmt: skip
-    return num, path, bonus, has_child, rank
+    return num, path, bonus, has_child, rank, on_path

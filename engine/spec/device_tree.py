@@ -194,9 +194,8 @@ def accept_greedy(
 
         fused = run_kernel("accept_greedy", lambda: accept_greedy_triton(tokens, parents, target, max_depth))
         if fused is not None:
-            a, path, bonus, has_child, rank = fused
-            j = torch.arange(max_depth + 1, device=tokens.device)
-            return AcceptedPath(a, path, j[None] <= a, bonus, has_child, rank)
+            a, path, bonus, has_child, rank, on_path = fused
+            return AcceptedPath(a, path, on_path, bonus, has_child, rank)
     return accept_greedy_torch(tokens, parents, depths, target, max_depth)
 
 

@@ -138,19 +138,22 @@ class _RowPlan:
     def ctx(self, L: Tensor, c: Tensor) -> Tensor:  # [B] committed module entries
         return L - c + self.ctx_offset if self.catch_up else L + self.ctx_offset
 
-    def inputs(self, L: Tensor, c: Tensor, window: Tensor, trash: int) -> _RowInputs:
+    def inputs(self, L: Tensor, c: Tensor, window: Tensor, trash: int, zero_out: Tensor) -> _RowInputs:
         """This forward's attention inputs for sequences at ``L`` with ``c`` catch-up rows
         (``window`` [B, W]: the flat slots of the step's positions window) and the slots to
-        zero after it. On CUDA with Triton one fused kernel (``engine.kernels.mtp_rows``)."""
+        zero after it, written into ``zero_out`` [B * R] too (the step zeroes every depth's at
+        once). On CUDA with Triton one fused kernel (``engine.kernels.mtp_rows``)."""
         if window.is_cuda and triton_available():
             from engine.kernels.mtp_rows import mtp_rows_triton
 
             fused = run_kernel("mtp_rows", lambda: mtp_rows_triton(
                 L, c, window, self.meta, self.mask, trash, self.ctx_offset, self.catch_up,
-                (_POS, _WIN, _QON, _QOFF, _KEEP)))  # fmt: skip
+                (_POS, _WIN, _QON, _QOFF, _KEEP), zero_out))  # fmt: skip
             if fused is not None:
                 return _RowInputs(*fused)
-        return self.inputs_torch(L, c, window, trash)
+        rows = self.inputs_torch(L, c, window, trash)
+        zero_out.copy_(rows.zero)
+        return rows
 
     def inputs_torch(self, L: Tensor, c: Tensor, window: Tensor, trash: int) -> _RowInputs:
         """``inputs`` as torch ops (the reference of the fused kernel)."""
@@ -287,6 +290,14 @@ class _Buffers:
         self.tree_slots = torch.zeros(bucket, g.N + 1, dtype=torch.long, device=dev)
         self.path = torch.zeros(bucket, P, dtype=torch.long, device=dev)
         self.keep = torch.zeros(bucket, P, dtype=torch.bool, device=dev)
+        # Every MTP forward's slots to zero ([B * R] each, forward after forward) and the cache
+        # layer of each: the step zeroes them all at once after its last drafting depth.
+        self.draft_zero = torch.zeros(sum(bucket * p.rows for p in g.plans), dtype=torch.long, device=dev)
+        self.draft_zero_parts = self.draft_zero.split([bucket * p.rows for p in g.plans])
+        self.draft_zero_layer = torch.tensor(
+            [g.model.mtp_cache_layer(p.module) for p in g.plans for _ in range(bucket * p.rows)],
+            dtype=torch.long, device=dev,
+        )  # fmt: skip
         rows = {p.rows for p in g.plans} | {g.N + 1}
         self.query_start = {  # rows per sequence -> [bucket + 1] int32 offsets
             r: (torch.arange(bucket + 1, device=dev) * r).to(torch.int32) for r in rows
@@ -362,6 +373,15 @@ class GraphedTreeStep:
         self.pad_table = torch.full((max_blocks,), -1, dtype=torch.int32, device=self.device)
         self.pad_table[: len(self.scratch)] = self.scratch_index.to(torch.int32)
         self.trash_slot = self.scratch[-1] * self.block_size + self.block_size - 1
+        # Every (layer, slot) row of the scratch blocks, for the fused zeroing (one launch).
+        cache = pool.kv_cache
+        scratch_slots = (self.scratch_index[:, None] * self.block_size
+                         + torch.arange(self.block_size, device=self.device)).reshape(-1)  # fmt: skip
+        self.scratch_rows = (
+            torch.arange(cache.shape[0], device=self.device).repeat_interleave(scratch_slots.numel()),
+            scratch_slots.repeat(cache.shape[0]),
+        )  # ([layers * slots] layer, [layers * slots] slot)
+        self.fused_io = self.device.type == "cuda" and triton_available()
         # live_rows[b][n]: the live mask of bucket b with n real sequences [b] bool.
         self.live_rows = {b: torch.arange(b, device=self.device)[None] < torch.arange(b + 1, device=self.device)[:, None]
                           for b in self.buckets}  # fmt: skip
@@ -569,7 +589,19 @@ class GraphedTreeStep:
         """Turn the step's outputs into the inputs of the next step over the same sequences
         (what ``_load_inputs`` would load after ``_finish``): ``L += a + 1``, ``c = a + 1``, the
         catch-up tokens are the accepted tokens and the bonus, module 1's rows the accepted
-        path's verify states, the carry the catch-up's last rows. Padding rows stay as set."""
+        path's verify states, the carry the catch-up's last rows. Padding rows stay as set.
+        One fused kernel on CUDA with Triton (``engine.kernels.tree_step_io``)."""
+        if self.fused_io:
+            from engine.kernels.tree_step_io import advance_triton
+
+            if run_kernel("advance", lambda: advance_triton(
+                buf.packed, buf.live, buf.tail, buf.L, buf.c, buf.next_rows, buf.rows0,
+                buf.next_carry, buf.carry, self.D)) is not None:  # fmt: skip
+                return
+        self._advance_torch(buf)
+
+    def _advance_torch(self, buf: _Buffers) -> None:
+        """``_advance`` as torch ops (the reference of the fused kernel)."""
         C, D = self.C, self.D
         a = buf.packed[:, 0]  # [B] accepted draft tokens
         bonus = buf.packed[:, 1:2]  # [B, 1]
@@ -649,6 +681,18 @@ class GraphedTreeStep:
                            packed_array[:, 4 + 2 * D : 5 + 3 * D].copy())  # fmt: skip
 
     # ------------------------------------------------------------------ device program
+    def _window(self, buf: _Buffers) -> Tensor:  # [B, W]
+        """The flat cache slots of the step's positions window ``L - k - C + 1 + w``
+        (positions below 0 clamped to 0): one fused kernel on CUDA with Triton."""
+        if self.fused_io:
+            from engine.kernels.tree_step_io import slot_window_triton
+
+            fused = run_kernel("slot_window", lambda: slot_window_triton(
+                buf.tables, buf.L, self.window_offsets, self.block_size))  # fmt: skip
+            if fused is not None:
+                return fused
+        return self._slots(buf.tables, (buf.L[:, None] + self.window_offsets).clamp(min=0))
+
     def _slots(self, tables: Tensor, positions: Tensor) -> Tensor:
         """Flat cache slots of ``positions`` [B, R] through block ``tables`` [B, max_blocks]."""
         index = positions // self.block_size  # [B, R] table column
@@ -662,9 +706,10 @@ class GraphedTreeStep:
         window: Tensor,  # [B, W] flat slots of positions L - k - C + 1 + w (see _RowPlan)
         tokens: Tensor,  # [B, R] token of each row
         prev: Tensor,  # [B, R, H] previous depth's hidden of each row
+        zero_out: Tensor,  # [B * R] where the forward's slots to zero go (``_zero_drafts``)
     ) -> Tensor:  # [B, R, H]
         B, R = buf.bucket, plan.rows
-        rows = plan.inputs(buf.L, buf.c, window, self.trash_slot)
+        rows = plan.inputs(buf.L, buf.c, window, self.trash_slot, zero_out)
         batch = AttentionBatch(
             positions=rows.positions,
             slot_mapping=rows.slots,
@@ -677,19 +722,31 @@ class GraphedTreeStep:
         hidden = self.model.forward_mtp(
             plan.module, prev.reshape(B * R, -1), tokens.reshape(-1), batch, self.pool.kv_cache
         )
-        # Everything past the committed rows was a draft or padding: zero it now.
-        layer = self.pool.kv_cache[self.model.mtp_cache_layer(plan.module)]
-        layer.view(-1, layer.shape[-1]).index_fill_(0, rows.zero, 0)
         return hidden.view(B, R, -1)
+
+    def _zero_drafts(self, buf: _Buffers) -> None:
+        """Zero what every MTP forward of the step wrote past its committed rows (drafts and
+        padding rows) in one go. Deferring it to the last depth changes nothing: a forward reads
+        only its module's committed entries and its own rows, never an earlier depth's drafts."""
+        if self.fused_io:
+            from engine.kernels.tree_step_io import zero_cache_rows_triton
+
+            done = run_kernel("zero_cache_rows", lambda: zero_cache_rows_triton(
+                self.pool.kv_cache, buf.draft_zero_layer, buf.draft_zero))  # fmt: skip
+            if done is not None:
+                return
+        cache = self.pool.kv_cache
+        slots_per_layer = cache.shape[1] * cache.shape[2]
+        flat = cache.view(-1, cache.shape[-1])  # [layers * slots, D]
+        flat.index_fill_(0, buf.draft_zero_layer * slots_per_layer + buf.draft_zero, 0)
 
     def _draft_verify_accept(self, buf: _Buffers) -> None:
         B, C, D, N, k, H = buf.bucket, self.C, self.D, self.N, self.k, self.hidden_size
         L, c = buf.L, buf.c
-        window = self._slots(buf.tables, (L[:, None] + self.window_offsets).clamp(min=0))  # [B, W]
+        window = self._window(buf)  # [B, W]
         last = (c - 1)[:, None, None].expand(B, 1, H)  # gather index of row c-1
         front_tok = front_prev = None
         catch_prev = [buf.rows0]  # the catch-up rows' previous-depth hidden states, in parts
-        next_carry = []
         for m, plan in enumerate(self.plans, start=1):
             tok_parts, prev_parts = [], []
             if plan.catch_up:
@@ -701,15 +758,18 @@ class GraphedTreeStep:
                 prev_parts.append(front_prev)
             tokens = torch.cat(tok_parts, 1) if len(tok_parts) > 1 else tok_parts[0]  # [B, R]
             prev = torch.cat(prev_parts, 1) if len(prev_parts) > 1 else prev_parts[0]  # [B, R, H]
-            out = self._mtp_forward(buf, plan, window, tokens, prev)
-            if plan.catch_up:
-                last_row = out[:, :C].gather(1, last)  # [B, 1, H] hidden at index L - m
-                if m < k:  # module m+1's catch-up rows: the carried row, then these rows
-                    next_carry.append(last_row)
-                    catch_prev = [buf.carry[:, m - 1 : m], out[:, : C - 1]]
+            out = self._mtp_forward(buf, plan, window, tokens, prev, buf.draft_zero_parts[m - 1])
+            if plan.catch_up and m < k:  # module m+1's catch-up rows: the carried row, then these
+                # The last catch-up row (hidden at index L - m), written where the next step's
+                # carry is read from (it is an output: nothing reads it during the step).
+                last_row = torch.gather(out[:, :C], 1, last, out=buf.next_carry[:, m - 1 : m])  # [B, 1, H]
+                catch_prev = [buf.carry[:, m - 1 : m], out[:, : C - 1]]
+            elif m == 1:  # a single module: its last catch-up row is the root's
+                last_row = out[:, :C].gather(1, last)  # [B, 1, H]
             if m <= D:  # the root's row at depth 1, the frontier rows deeper
                 front = last_row if m == 1 else out[:, C * plan.catch_up :]  # [B, F, H]
                 front_tok, front_prev = self._grow(m, front, buf)
+        self._zero_drafts(buf)
         tree_tok, depth, mask = self._tree(buf)
         # One target forward over every tree.
         tree_slots = window[:, self.tree_window_start : self.tree_window_start + N + 1]  # [B, N+1]
@@ -724,7 +784,29 @@ class GraphedTreeStep:
         hidden = self.model.forward_target(tree_tok.reshape(-1), batch, self.pool.kv_cache)
         hidden = hidden.view(B, N + 1, -1)
         acc = self._accept(buf, tree_tok, hidden)
-        path = acc.path  # [B, D+1]
+        self._write_outputs(buf, acc, tree_tok, hidden, window)
+
+    def _write_outputs(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor,
+                       window: Tensor) -> None:  # fmt: skip
+        """The step's results into the static outputs: ``packed`` (for the host), module 1's
+        next rows (the verify states of the accepted path) and the rollback's inputs (the tree
+        slots, the path, the kept depths). One fused kernel on CUDA with Triton."""
+        if self.fused_io:
+            from engine.kernels.tree_step_io import write_outputs_triton
+
+            if run_kernel("write_outputs", lambda: write_outputs_triton(
+                acc.num_accepted.contiguous(), acc.bonus.contiguous(), acc.path.contiguous(),
+                acc.has_child.contiguous(), acc.sibling_rank.contiguous(), acc.on_path.contiguous(),
+                tree_tok.contiguous(), hidden.contiguous(), window, self.tree_window_start,
+                buf.packed, buf.next_rows, buf.tree_slots, buf.path, buf.keep)) is not None:  # fmt: skip
+                return
+        self._write_outputs_torch(buf, acc, tree_tok, hidden, window)
+
+    def _write_outputs_torch(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor,
+                             window: Tensor) -> None:  # fmt: skip
+        """``_write_outputs`` as torch ops (the reference of the fused kernel)."""
+        B, P, H = hidden.shape[0], acc.path.shape[1], hidden.shape[2]
+        path = acc.path  # [B, P]
         # The outputs are written in place (``out=``, views of the static buffers): each is one
         # kernel, not a kernel and a copy.
         torch.cat([
@@ -732,11 +814,9 @@ class GraphedTreeStep:
             acc.sibling_rank.long(),
         ], 1, out=buf.packed)  # fmt: skip
         # Next step's module-1 inputs: the verify hidden states of the accepted path.
-        torch.gather(hidden, 1, path[:, :, None].expand(B, D + 1, H), out=buf.next_rows)
-        if next_carry:
-            torch.cat(next_carry, 1, out=buf.next_carry)
+        torch.gather(hidden, 1, path[:, :, None].expand(B, P, H), out=buf.next_rows)
         # Rollback inputs: accepted path -> contiguous slots L..L+a, everything else zeroed.
-        buf.tree_slots.copy_(tree_slots)
+        buf.tree_slots.copy_(window[:, self.tree_window_start : self.tree_window_start + tree_tok.shape[1]])
         buf.path.copy_(path)
         buf.keep.copy_(acc.on_path)
 
@@ -746,6 +826,11 @@ class GraphedTreeStep:
         self._zero_scratch()
 
     def _zero_scratch(self) -> None:
+        if self.fused_io:
+            from engine.kernels.tree_step_io import zero_cache_rows_triton
+
+            if run_kernel("zero_cache_rows", lambda: zero_cache_rows_triton(self.pool.kv_cache, *self.scratch_rows)) is not None:
+                return
         self.pool.kv_cache.index_fill_(1, self.scratch_index, 0)
 
     # ------------------------------------------------------------------ capture

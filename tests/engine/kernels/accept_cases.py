@@ -45,7 +45,7 @@ def check_accept_greedy(device: str) -> tuple[float, float]:
         tokens, parents, depth, target = _random_trees(gen, 6, K, D, N, device)
         ref = accept_greedy_torch(tokens, parents, depth, target, D)
         got = accept_greedy_triton(tokens, parents, target, D)
-        want = (ref.num_accepted, ref.path, ref.bonus, ref.has_child, ref.sibling_rank)
+        want = (ref.num_accepted, ref.path, ref.bonus, ref.has_child, ref.sibling_rank, ref.on_path)
         if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
             return 1.0, 0.0
     return 0.0, 0.0

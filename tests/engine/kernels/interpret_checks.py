@@ -35,6 +35,12 @@ from tests.engine.kernels.fused_cases import (
     check_rope_latent,
     check_silu_mul,
 )
+from tests.engine.kernels.step_io_cases import (
+    check_advance,
+    check_slot_window,
+    check_write_outputs,
+    check_zero_cache_rows,
+)
 from tests.engine.kernels.tree_build_cases import (
     check_grow_frontier,
     check_mtp_rows,
@@ -160,6 +166,10 @@ def run_all() -> dict[str, dict]:
         "tree/select": lambda: check_select_tree("cpu"),
         "tree/mtp_rows": lambda: check_mtp_rows("cpu"),
         "tree/commit_kv": lambda: check_tree_commit("cpu"),
+        "step_io/slot_window": lambda: check_slot_window("cpu"),
+        "step_io/zero_cache_rows": lambda: check_zero_cache_rows("cpu"),
+        "step_io/advance": lambda: check_advance("cpu"),
+        "step_io/write_outputs": lambda: check_write_outputs("cpu"),
     }
     for name, job in jobs.items():
         try:

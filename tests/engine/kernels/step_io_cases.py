@@ -1,0 +1,117 @@
+"""The graphed tree step's fused bookkeeping kernels (``engine.kernels.tree_step_io``) against
+the step's own torch path (``GraphedTreeStep._slots``, ``_advance_torch``, ``index_fill_``).
+
+Shared by the interpreter checks (CPU) and the GPU tests. Each check returns ``(bad, 0.0)``:
+the number of cases whose outputs differ (integers and copies: equality is exact).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from engine.spec.graphed_tree import GraphedTreeStep
+
+
+def check_slot_window(device: str) -> tuple[float, float]:
+    """Window slots through random block tables, with positions below 0 clamped."""
+    from engine.kernels.tree_step_io import slot_window_triton
+
+    gen = torch.Generator().manual_seed(41)
+    bad = 0
+    for B, M, bs, W, start in [(1, 8, 16, 47, -12), (5, 10, 4, 20, -9), (3, 40, 16, 130, -20)]:
+        tables = torch.randperm(1000, generator=gen)[: B * M].view(B, M).to(torch.int32)
+        L = torch.randint(0, M * bs - W + start, (B,), generator=gen)
+        L[0] = 0  # the whole window's start below position 0
+        offsets = torch.arange(W) + start
+        step = SimpleNamespace(block_size=bs)
+        want = GraphedTreeStep._slots(step, tables, (L[:, None] + offsets).clamp(min=0))  # type: ignore[arg-type]
+        got = slot_window_triton(tables.to(device), L.to(device), offsets.to(device), bs)
+        bad += int(not torch.equal(got.cpu(), want))
+    return float(bad), 0.0
+
+
+def check_zero_cache_rows(device: str) -> tuple[float, float]:
+    """Zeroing (layer, slot) rows, repeats included, against ``index_fill_`` on the flat cache."""
+    from engine.kernels.tree_step_io import zero_cache_rows_triton
+
+    gen = torch.Generator().manual_seed(43)
+    bad = 0
+    for layers, blocks, bs, D, n, dtype in [(3, 5, 4, 20, 7, torch.float32), (16, 9, 16, 288, 200, torch.bfloat16),
+                                            (2, 3, 8, 576, 1, torch.float32)]:  # fmt: skip
+        kv = torch.randn(layers, blocks, bs, D, generator=gen).to(dtype)
+        layer = torch.randint(0, layers, (n,), generator=gen)
+        slot = torch.randint(0, blocks * bs, (n,), generator=gen)
+        want = kv.clone()
+        want.view(-1, D).index_fill_(0, layer * blocks * bs + slot, 0)
+        got = kv.to(device)
+        zero_cache_rows_triton(got, layer.to(device), slot.to(device))
+        bad += int(not torch.equal(got.cpu(), want))
+    return float(bad), 0.0
+
+
+def check_advance(device: str) -> tuple[float, float]:
+    """The next step's inputs from random outputs (live and padding rows, every accepted
+    count from 0 to the depth) against ``GraphedTreeStep._advance_torch``."""
+    from engine.kernels.tree_step_io import advance_triton
+
+    gen = torch.Generator().manual_seed(47)
+    bad = 0
+    for B, D, k, H, slack in [(1, 6, 4, 768, 2), (7, 3, 1, 16, 1), (9, 2, 3, 40, 3)]:
+        P, C = D + 1, D + 1 + slack
+        packed = torch.randint(0, 8192, (B, 2 + 3 * P), generator=gen)
+        packed[:, 0] = torch.randint(0, D + 1, (B,), generator=gen)
+        buf = SimpleNamespace(
+            packed=packed,
+            live=torch.rand(B, generator=gen) < 0.7,
+            tail=torch.randint(0, 8192, (B, C), generator=gen),
+            L=torch.randint(10, 500, (B,), generator=gen),
+            c=torch.randint(1, C + 1, (B,), generator=gen),
+            rows0=torch.randn(B, C, H, generator=gen),
+            next_rows=torch.randn(B, P, H, generator=gen),
+            carry=torch.randn(B, k - 1, H, generator=gen),
+            next_carry=torch.randn(B, k - 1, H, generator=gen),
+        )
+        got = SimpleNamespace(**{name: t.clone().to(device) for name, t in vars(buf).items()})
+        GraphedTreeStep._advance_torch(SimpleNamespace(C=C, D=D, device=torch.device("cpu")), buf)  # type: ignore[arg-type]
+        advance_triton(got.packed, got.live, got.tail, got.L, got.c, got.next_rows, got.rows0,
+                       got.next_carry, got.carry, D)  # fmt: skip
+        bad += int(not all(torch.equal(getattr(got, name).cpu(), t) for name, t in vars(buf).items()))
+    return float(bad), 0.0
+
+
+def check_write_outputs(device: str) -> tuple[float, float]:
+    """The step's packed results, module 1's next rows and the rollback's inputs from random
+    accepted paths (greedy dtypes, and the sampled policy's bool/int64 mix) against
+    ``GraphedTreeStep._write_outputs_torch``."""
+    from engine.kernels.tree_step_io import write_outputs_triton
+    from engine.spec.device_tree import AcceptedPath
+
+    gen = torch.Generator().manual_seed(53)
+    bad = 0
+    for B, D, N, H, W, start in [(1, 6, 32, 768, 48, 12), (6, 3, 9, 40, 20, 5), (3, 2, 4, 1030, 9, 2)]:
+        P = D + 1
+        a = torch.randint(0, D + 1, (B, 1), generator=gen)
+        acc = AcceptedPath(
+            num_accepted=a,
+            path=torch.randint(0, N + 1, (B, P), generator=gen),
+            on_path=torch.arange(P)[None] <= a,
+            bonus=torch.randint(0, 8192, (B, 1), generator=gen),
+            has_child=torch.rand(B, P, generator=gen) < 0.5,
+            sibling_rank=torch.randint(0, 4, (B, P), generator=gen),
+        )
+        tokens = torch.randint(0, 8192, (B, N + 1), generator=gen)
+        hidden = torch.randn(B, N + 1, H, generator=gen)
+        window = torch.randint(0, 100_000, (B, W), generator=gen)
+        want = SimpleNamespace(packed=torch.zeros(B, 2 + 3 * P, dtype=torch.long), next_rows=torch.zeros(B, P, H),
+                               tree_slots=torch.zeros(B, N + 1, dtype=torch.long),
+                               path=torch.zeros(B, P, dtype=torch.long), keep=torch.zeros(B, P, dtype=torch.bool))  # fmt: skip
+        got = SimpleNamespace(**{name: t.clone().to(device) for name, t in vars(want).items()})
+        step = SimpleNamespace(tree_window_start=start)
+        GraphedTreeStep._write_outputs_torch(step, want, acc, tokens, hidden, window)  # type: ignore[arg-type]
+        on = [t.to(device) for t in (a, acc.bonus, acc.path, acc.has_child, acc.sibling_rank, acc.on_path,
+                                     tokens, hidden, window)]  # fmt: skip
+        write_outputs_triton(*on[:8], on[8], start, got.packed, got.next_rows, got.tree_slots, got.path, got.keep)
+        bad += int(not all(torch.equal(getattr(got, name).cpu(), t) for name, t in vars(want).items()))
+    return float(bad), 0.0
