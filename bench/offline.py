@@ -189,6 +189,11 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
                                    s.num_prompts or max_batch, s.prompt_tokens)
     modes = build_modes(s.modes, s.tree_budgets)
     contenders, skipped = build_contenders(s.model, base, modes, parse_dtype(s.dtype))
+    # Progress in the log, so that a run cut off by its time limit shows which stage it was in.
+    for c in contenders:
+        if c.engine is not None:
+            _log(f"built {c.mode.label} in {sum(c.engine.startup_seconds.values()):.1f} s "
+                 f"({time.monotonic() - t_start:.0f} s since the start)")
     if s.freeze_gc:
         gc.collect()
         gc.freeze()
@@ -200,6 +205,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
         check = _check_in_other_dtype(s, check_prompts, modes, max_batch)
     else:
         check = greedy_check(contenders, check_prompts, s.check_tokens or s.max_new_tokens)
+    _log(f"greedy check done ({time.monotonic() - t_start:.0f} s since the start)")
     ok = True
     for c in list(contenders):
         res = check.get(c.mode.label)

@@ -25,6 +25,8 @@
 # PROFILE_S seconds (default 120), with --catch-up and host profiles at the last of them, into
 # RESULTS_DIR/profile.tar.gz: one file, as the device tool brings back 8 at most; PROFILE_ARGS,
 # default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
+# SWEEP_MARGIN_S (default 120: seconds past the sweep's limit before a stalled sweep is stopped
+# with SIGABRT and a stack dump),
 # MTPSERVE_COMMIT (recorded as the commit; set it where the copy has no .git or a stale one, as
 # on the device tool's machines, whose .git is not the checkout's).
 set -euo pipefail
@@ -73,6 +75,10 @@ if [ "$LIMIT" -lt 120 ]; then
     # with DEADLINE_S=330 after training once timed nothing.
     echo "== warning: ${LIMIT} s may not leave time for any timed point (raise DEADLINE_S)"
 fi
+# A stalled sweep must not take the whole command's time: past its limit (plus the last run's
+# and the results' time) it is stopped with SIGABRT, which makes Python print every thread's
+# stack (PYTHONFAULTHANDLER), and the script goes on.
+PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
 "$PY" -m engine bench offline --model "$MODEL" --device cuda --dtype bfloat16 \
     --check-dtype float32 --check-batch 8 \
     --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures "${TEMPERATURES:-0,0.7}" \
