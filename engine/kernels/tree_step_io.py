@@ -3,12 +3,18 @@
 The graphed tree step (``engine.spec.graphed_tree``) turns its static inputs into the flat cache
 slots of the step's positions window at its start, zeroes the drafts its MTP forwards left in
 the cache, and at its end turns its outputs into the next step's inputs. As PyTorch ops that is
-~35 kernels of one or two microseconds each per step, as many at batch 1 as at 256, and on the
-H200 they are launch-bound: a few percent of a batch-1 step. Here they are three launches:
+~50 kernels of one or two microseconds each per step, as many at batch 1 as at 256, and on the
+H200 they are launch-bound: a few percent of a batch-1 step. Here they are five kernels (six
+launches: the zeroing runs for the drafts and for the scratch):
 
-- ``slot_window_triton``: the window's flat slots [B, W] from the block tables (7 kernels);
+- ``step_start_triton``: the window's flat slots [B, W] from the block tables, each
+  sequence's last catch-up row and the tree's root token (10 kernels);
+- ``verify_inputs_triton``: the verify forward's positions, context lengths and tree slots
+  (3 kernels);
 - ``zero_cache_rows_triton``: zero given (layer, slot) rows of the cache, e.g. every depth's
   drafts at once (one ``index_fill_`` per depth before) or the scratch blocks (4 kernels);
+- ``write_outputs_triton``: the packed results for the host, module 1's next rows and the
+  rollback's path (~10 kernels);
 - ``advance_triton``: the next step's catch-up tokens, ``L``, ``c``, module-1 rows and carried
   rows from the step's outputs (17 kernels).
 
@@ -25,9 +31,10 @@ from torch import Tensor
 
 
 @triton.jit
-def _slot_window_kernel(
-    tables_ptr, L_ptr, offsets_ptr, out_ptr,  # [B, M] int32, [B] int64, [W] int64, [B, W] int64
-    M, W, BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr,
+def _step_start_kernel(
+    tables_ptr, L_ptr, c_ptr, tail_ptr, offsets_ptr,  # [B, M] int32, [B], [B], [B, C], [W] int64
+    window_ptr, last_ptr, root_ptr,  # out: [B, W], [B], [B] int64
+    M, C, W, BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
@@ -35,18 +42,62 @@ def _slot_window_kernel(
     pos = tl.maximum(tl.load(L_ptr + b) + tl.load(offsets_ptr + w, mask=ok, other=0), 0)  # [BLOCK_W]
     column = pos // BLOCK_SIZE  # within the table (the step's capacity checks)
     block = tl.load(tables_ptr + b * M + column, mask=ok & (column < M), other=0).to(tl.int64)
-    tl.store(out_ptr + b * W + w, block * BLOCK_SIZE + pos % BLOCK_SIZE, mask=ok)
+    tl.store(window_ptr + b * W + w, block * BLOCK_SIZE + pos % BLOCK_SIZE, mask=ok)
+    last = tl.load(c_ptr + b) - 1
+    tl.store(last_ptr + b, last)
+    tl.store(root_ptr + b, tl.load(tail_ptr + b * C + last))
 
 
-def slot_window_triton(tables: Tensor, L: Tensor, offsets: Tensor, block_size: int) -> Tensor:
-    """Flat cache slots [B, W] of positions ``max(L[b] + offsets[w], 0)`` through the block
-    ``tables`` [B, max_blocks] (int32, contiguous); ``L`` [B] and ``offsets`` [W] int64."""
+def step_start_triton(
+    tables: Tensor, L: Tensor, c: Tensor, tail: Tensor, offsets: Tensor, block_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The step's start, as ``GraphedTreeStep._step_start_torch``: the flat cache slots [B, W]
+    of positions ``max(L[b] + offsets[w], 0)`` through the block ``tables`` [B, max_blocks]
+    (int32, contiguous), each sequence's last catch-up row ``c - 1`` [B] and its token, the
+    tree's root ``tail[b, c - 1]`` [B]. ``L``, ``c`` [B], ``tail`` [B, C], ``offsets`` [W] int64."""
     B, M = tables.shape
-    W = offsets.shape[0]
-    out = torch.empty(B, W, dtype=torch.int64, device=tables.device)
-    _slot_window_kernel[(B,)](tables, L, offsets, out, M, W, BLOCK_SIZE=block_size,
-                              BLOCK_W=triton.next_power_of_2(W))  # fmt: skip
-    return out
+    W, C = offsets.shape[0], tail.shape[1]
+    assert tail.is_contiguous()
+    window = torch.empty(B, W, dtype=torch.int64, device=tables.device)
+    last = torch.empty(B, dtype=torch.int64, device=tables.device)
+    root = torch.empty_like(last)
+    _step_start_kernel[(B,)](tables, L, c, tail, offsets, window, last, root, M, C, W,
+                             BLOCK_SIZE=block_size, BLOCK_W=triton.next_power_of_2(W))  # fmt: skip
+    return window, last, root
+
+
+@triton.jit
+def _verify_inputs_kernel(
+    L_ptr, depth_ptr, window_ptr,  # [B] int64, [B, NODES] int64 (batch stride STRIDE_DEPTH), [B, W]
+    pos_ptr, slots_ptr, ctx_ptr,  # out: [B * NODES] int64, [B, NODES] int64, [B] int32
+    NODES, W, WINDOW_START, STRIDE_DEPTH, BLOCK_T: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, BLOCK_T)
+    ok = t < NODES
+    L = tl.load(L_ptr + b)
+    depth = tl.load(depth_ptr + b * STRIDE_DEPTH + t, mask=ok, other=0)
+    tl.store(pos_ptr + b * NODES + t, L + depth, mask=ok)
+    tl.store(slots_ptr + b * NODES + t, tl.load(window_ptr + b * W + WINDOW_START + t, mask=ok, other=0), mask=ok)
+    tl.store(ctx_ptr + b, L.to(tl.int32))
+
+
+def verify_inputs_triton(
+    L: Tensor, depth: Tensor, window: Tensor, window_start: int, tree_slots: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The verify forward's inputs, as ``GraphedTreeStep._verify_inputs_torch``: positions
+    ``L + depth`` [B * (N+1)] and context lengths ``L`` [B] int32, returned; the tree's slots
+    ``window[:, window_start : window_start + N + 1]`` written into ``tree_slots`` [B, N+1]
+    (contiguous: the forward's slot mapping and the rollback's input). ``depth`` [B, N+1] may
+    repeat one row (batch stride 0)."""
+    B, nodes = depth.shape
+    assert depth.stride(1) == 1 and tree_slots.is_contiguous() and tree_slots.shape == (B, nodes)
+    assert window.is_contiguous() and window_start + nodes <= window.shape[1]
+    positions = torch.empty(B * nodes, dtype=torch.int64, device=L.device)
+    ctx = torch.empty(B, dtype=torch.int32, device=L.device)
+    _verify_inputs_kernel[(B,)](L, depth, window, positions, tree_slots, ctx, nodes, window.shape[1],
+                                window_start, depth.stride(0), BLOCK_T=triton.next_power_of_2(nodes))  # fmt: skip
+    return positions, ctx
 
 
 @triton.jit
@@ -143,10 +194,10 @@ def advance_triton(
 @triton.jit
 def _write_outputs_kernel(
     num_ptr, bonus_ptr, path_ptr, child_ptr, rank_ptr, keep_ptr,  # the accepted path [B, 1] / [B, P]
-    tok_ptr, hidden_ptr, window_ptr,  # [B, N+1] tree tokens, [B, N+1, H] verify states, [B, W] slots
-    packed_ptr, next_rows_ptr, tree_slots_ptr, path_out_ptr, keep_out_ptr,  # outputs
-    NODES, H, W, WINDOW_START, PACKED,
-    P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    tok_ptr, hidden_ptr,  # [B, N+1] tree tokens, [B, N+1, H] verify states
+    packed_ptr, next_rows_ptr, path_out_ptr, keep_out_ptr,  # outputs
+    NODES, H, PACKED,
+    P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_P)
@@ -160,11 +211,6 @@ def _write_outputs_kernel(
     tl.store(row + 2 + 2 * P + d, tl.load(rank_ptr + b * P + d, mask=d_ok, other=0).to(tl.int64), mask=d_ok)
     tl.store(path_out_ptr + b * P + d, node, mask=d_ok)
     tl.store(keep_out_ptr + b * P + d, tl.load(keep_ptr + b * P + d, mask=d_ok, other=0), mask=d_ok)
-    # The rollback's tree slots: the window's columns from the root on.
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < NODES
-    slots = tl.load(window_ptr + b * W + WINDOW_START + t, mask=t_ok, other=0)
-    tl.store(tree_slots_ptr + b * NODES + t, slots, mask=t_ok)
     # Module 1's next rows: the verify states of the path's nodes.
     h = tl.arange(0, BLOCK_H)
     for j in tl.static_range(P):
@@ -177,24 +223,20 @@ def _write_outputs_kernel(
 
 def write_outputs_triton(
     num_accepted: Tensor, bonus: Tensor, path: Tensor, has_child: Tensor, rank: Tensor,
-    on_path: Tensor, tokens: Tensor, hidden: Tensor, window: Tensor, window_start: int,
-    packed: Tensor, next_rows: Tensor, tree_slots: Tensor, path_out: Tensor, keep_out: Tensor,
+    on_path: Tensor, tokens: Tensor, hidden: Tensor,
+    packed: Tensor, next_rows: Tensor, path_out: Tensor, keep_out: Tensor,
 ) -> bool:
     """As ``GraphedTreeStep._write_outputs_torch``: the packed results [B, 2 + 3P] (accepted
     count, bonus, the path's tokens, has-children, sibling ranks), module 1's next rows
-    [B, P, H] (``hidden`` [B, N+1, H] at the path's nodes), and the rollback's inputs (tree
-    slots: ``window[:, window_start : window_start + N + 1]``, path, kept depths). One launch;
-    returns True (``run_kernel``)."""
+    [B, P, H] (``hidden`` [B, N+1, H] at the path's nodes), and the rollback's path and kept
+    depths. One launch; returns True (``run_kernel``)."""
     B, P = path.shape
     nodes, H = hidden.shape[1], hidden.shape[2]
-    args = (num_accepted, bonus, path, has_child, rank, on_path, tokens, hidden, window)
+    args = (num_accepted, bonus, path, has_child, rank, on_path, tokens, hidden)
     assert all(t.is_contiguous() for t in args) and next_rows.is_contiguous() and packed.is_contiguous()
-    assert tree_slots.is_contiguous() and path_out.is_contiguous() and keep_out.is_contiguous()
-    assert tokens.shape == (B, nodes) and window_start + nodes <= window.shape[1]
+    assert path_out.is_contiguous() and keep_out.is_contiguous() and tokens.shape == (B, nodes)
     _write_outputs_kernel[(B,)](
-        *args, packed, next_rows, tree_slots, path_out, keep_out,
-        nodes, H, window.shape[1], window_start, packed.shape[1],
-        P=P, BLOCK_P=triton.next_power_of_2(P), BLOCK_T=triton.next_power_of_2(nodes),
-        BLOCK_H=min(1024, triton.next_power_of_2(H)),
+        *args, packed, next_rows, path_out, keep_out, nodes, H, packed.shape[1],
+        P=P, BLOCK_P=triton.next_power_of_2(P), BLOCK_H=min(1024, triton.next_power_of_2(H)),
     )  # fmt: skip
     return True

@@ -120,9 +120,13 @@ class MultiHeadLatentAttention(nn.Module):
         # copied into [N, heads, v] for o_proj whenever N > 1 (a kernel per layer, 18 of a batch-1
         # tree step's ~345 on the H200); written through a transposed view, the GEMM stores it
         # there itself (cuBLAS takes the row stride heads * v).
-        out = out_latent.new_empty(x.shape[0], self.num_heads, self.v_dim)  # [N, heads, v]
-        torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        return self.o_proj(out.view(x.shape[0], self.num_heads * self.v_dim))
+        # (Under autograd, where out= is not allowed, the einsum stays.)
+        if torch.is_grad_enabled() and (out_latent.requires_grad or w_uv.requires_grad):
+            out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)  # [N, heads, v]
+        else:
+            out = out_latent.new_empty(x.shape[0], self.num_heads, self.v_dim)  # [N, heads, v]
+            torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
 
     def write_latent(
         self,

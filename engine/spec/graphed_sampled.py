@@ -137,9 +137,8 @@ class GraphedSampledTree(GraphedTreeStep):
 
     def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
         B, n = buf.bucket, self.N + 1
-        root = buf.tail.gather(1, (buf.c - 1)[:, None])  # [B, 1]
         drafts = torch.cat(self._tokens, 1)[:, self._to_shape_order]  # [B, N] in node order
-        tokens = torch.cat([root, drafts], 1)  # [B, N+1]
+        tokens = torch.cat([self._root[:, None], drafts], 1)  # [B, N+1]
         return tokens, self._depths.expand(B, n), self._mask.expand(B, n, n)
 
     def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:

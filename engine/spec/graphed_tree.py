@@ -401,6 +401,7 @@ class GraphedTreeStep:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._next_event = 0
         self._stream: torch.cuda.Stream | None = None
+        self._root = torch.zeros(0, dtype=torch.long)  # the step's root tokens [B] (``_step_start``)
 
     def _capture(self) -> None:
         """Capture every bucket's graphs (call at the end of a subclass's ``__init__``)."""
@@ -681,17 +682,43 @@ class GraphedTreeStep:
                            packed_array[:, 4 + 2 * D : 5 + 3 * D].copy())  # fmt: skip
 
     # ------------------------------------------------------------------ device program
-    def _window(self, buf: _Buffers) -> Tensor:  # [B, W]
-        """The flat cache slots of the step's positions window ``L - k - C + 1 + w``
-        (positions below 0 clamped to 0): one fused kernel on CUDA with Triton."""
+    def _step_start(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+        """The flat cache slots of the step's positions window ``L - k - C + 1 + w`` (positions
+        below 0 clamped to 0) [B, W], each sequence's last catch-up row ``c - 1`` [B] and its
+        token, the tree's root [B]: one fused kernel on CUDA with Triton."""
         if self.fused_io:
-            from engine.kernels.tree_step_io import slot_window_triton
+            from engine.kernels.tree_step_io import step_start_triton
 
-            fused = run_kernel("slot_window", lambda: slot_window_triton(
-                buf.tables, buf.L, self.window_offsets, self.block_size))  # fmt: skip
+            fused = run_kernel("step_start", lambda: step_start_triton(
+                buf.tables, buf.L, buf.c, buf.tail, self.window_offsets, self.block_size))  # fmt: skip
             if fused is not None:
                 return fused
-        return self._slots(buf.tables, (buf.L[:, None] + self.window_offsets).clamp(min=0))
+        return self._step_start_torch(buf)
+
+    def _step_start_torch(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+        """``_step_start`` as torch ops (the reference of the fused kernel)."""
+        window = self._slots(buf.tables, (buf.L[:, None] + self.window_offsets).clamp(min=0))
+        last = buf.c - 1
+        return window, last, buf.tail.gather(1, last[:, None])[:, 0]
+
+    def _verify_inputs(self, buf: _Buffers, depth: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
+        """The verify forward's positions ``L + depth`` [B * (N+1)] and context lengths [B] int32;
+        the tree's slots go into ``buf.tree_slots`` (its slot mapping, the rollback's input).
+        One fused kernel on CUDA with Triton."""
+        if self.fused_io:
+            from engine.kernels.tree_step_io import verify_inputs_triton
+
+            fused = run_kernel("verify_inputs", lambda: verify_inputs_triton(
+                buf.L, depth, window, self.tree_window_start, buf.tree_slots))  # fmt: skip
+            if fused is not None:
+                return fused
+        return self._verify_inputs_torch(buf, depth, window)
+
+    def _verify_inputs_torch(self, buf: _Buffers, depth: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
+        """``_verify_inputs`` as torch ops (the reference of the fused kernel)."""
+        start = self.tree_window_start
+        buf.tree_slots.copy_(window[:, start : start + depth.shape[1]])
+        return (buf.L[:, None] + depth).reshape(-1), buf.L.to(torch.int32)
 
     def _slots(self, tables: Tensor, positions: Tensor) -> Tensor:
         """Flat cache slots of ``positions`` [B, R] through block ``tables`` [B, max_blocks]."""
@@ -742,9 +769,8 @@ class GraphedTreeStep:
 
     def _draft_verify_accept(self, buf: _Buffers) -> None:
         B, C, D, N, k, H = buf.bucket, self.C, self.D, self.N, self.k, self.hidden_size
-        L, c = buf.L, buf.c
-        window = self._window(buf)  # [B, W]
-        last = (c - 1)[:, None, None].expand(B, 1, H)  # gather index of row c-1
+        window, last_row_index, self._root = self._step_start(buf)  # [B, W], [B], [B]
+        last = last_row_index[:, None, None].expand(B, 1, H)  # gather index of row c-1
         front_tok = front_prev = None
         catch_prev = [buf.rows0]  # the catch-up rows' previous-depth hidden states, in parts
         for m, plan in enumerate(self.plans, start=1):
@@ -772,38 +798,37 @@ class GraphedTreeStep:
         self._zero_drafts(buf)
         tree_tok, depth, mask = self._tree(buf)
         # One target forward over every tree.
-        tree_slots = window[:, self.tree_window_start : self.tree_window_start + N + 1]  # [B, N+1]
+        positions, ctx_lens = self._verify_inputs(buf, depth, window)  # and buf.tree_slots
         batch = AttentionBatch(
-            positions=(L[:, None] + depth).reshape(-1),
-            slot_mapping=tree_slots.reshape(-1),
+            positions=positions,
+            slot_mapping=buf.tree_slots.reshape(-1),
             block_tables=buf.tables,
-            ctx_lens=L.to(torch.int32),
+            ctx_lens=ctx_lens,
             query_start=buf.query_start[N + 1],
             new_mask=mask.reshape(B * (N + 1), N + 1),
         )
         hidden = self.model.forward_target(tree_tok.reshape(-1), batch, self.pool.kv_cache)
         hidden = hidden.view(B, N + 1, -1)
         acc = self._accept(buf, tree_tok, hidden)
-        self._write_outputs(buf, acc, tree_tok, hidden, window)
+        self._write_outputs(buf, acc, tree_tok, hidden)
 
-    def _write_outputs(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor,
-                       window: Tensor) -> None:  # fmt: skip
+    def _write_outputs(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor) -> None:
         """The step's results into the static outputs: ``packed`` (for the host), module 1's
-        next rows (the verify states of the accepted path) and the rollback's inputs (the tree
-        slots, the path, the kept depths). One fused kernel on CUDA with Triton."""
+        next rows (the verify states of the accepted path) and the rollback's path and kept
+        depths (its tree slots are written before the verify). One fused kernel on CUDA with
+        Triton."""
         if self.fused_io:
             from engine.kernels.tree_step_io import write_outputs_triton
 
             if run_kernel("write_outputs", lambda: write_outputs_triton(
                 acc.num_accepted.contiguous(), acc.bonus.contiguous(), acc.path.contiguous(),
                 acc.has_child.contiguous(), acc.sibling_rank.contiguous(), acc.on_path.contiguous(),
-                tree_tok.contiguous(), hidden.contiguous(), window, self.tree_window_start,
-                buf.packed, buf.next_rows, buf.tree_slots, buf.path, buf.keep)) is not None:  # fmt: skip
+                tree_tok.contiguous(), hidden.contiguous(), buf.packed, buf.next_rows, buf.path,
+                buf.keep)) is not None:  # fmt: skip
                 return
-        self._write_outputs_torch(buf, acc, tree_tok, hidden, window)
+        self._write_outputs_torch(buf, acc, tree_tok, hidden)
 
-    def _write_outputs_torch(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor,
-                             window: Tensor) -> None:  # fmt: skip
+    def _write_outputs_torch(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor) -> None:
         """``_write_outputs`` as torch ops (the reference of the fused kernel)."""
         B, P, H = hidden.shape[0], acc.path.shape[1], hidden.shape[2]
         path = acc.path  # [B, P]
@@ -816,7 +841,6 @@ class GraphedTreeStep:
         # Next step's module-1 inputs: the verify hidden states of the accepted path.
         torch.gather(hidden, 1, path[:, :, None].expand(B, P, H), out=buf.next_rows)
         # Rollback inputs: accepted path -> contiguous slots L..L+a, everything else zeroed.
-        buf.tree_slots.copy_(window[:, self.tree_window_start : self.tree_window_start + tree_tok.shape[1]])
         buf.path.copy_(path)
         buf.keep.copy_(acc.on_path)
 
@@ -928,10 +952,9 @@ class GraphedGreedyTree(GraphedTreeStep):
 
     def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
         cand = self._cand
-        root = buf.tail.gather(1, (buf.c - 1)[:, None])[:, 0]  # [B]
         tree_tok, self._parents, self._depth, mask = select_tree(
             torch.cat(cand["score"], 1), torch.cat(cand["parent"], 1), torch.cat(cand["tok"], 1),
-            self.cand_depth, root, self.N, self.D,
+            self.cand_depth, self._root, self.N, self.D,
         )  # [B, N+1] x3, [B, N+1, N+1]
         return tree_tok, self._depth, mask
 

@@ -37,7 +37,8 @@ from tests.engine.kernels.fused_cases import (
 )
 from tests.engine.kernels.step_io_cases import (
     check_advance,
-    check_slot_window,
+    check_step_start,
+    check_verify_inputs,
     check_write_outputs,
     check_zero_cache_rows,
 )
@@ -166,7 +167,8 @@ def run_all() -> dict[str, dict]:
         "tree/select": lambda: check_select_tree("cpu"),
         "tree/mtp_rows": lambda: check_mtp_rows("cpu"),
         "tree/commit_kv": lambda: check_tree_commit("cpu"),
-        "step_io/slot_window": lambda: check_slot_window("cpu"),
+        "step_io/step_start": lambda: check_step_start("cpu"),
+        "step_io/verify_inputs": lambda: check_verify_inputs("cpu"),
         "step_io/zero_cache_rows": lambda: check_zero_cache_rows("cpu"),
         "step_io/advance": lambda: check_advance("cpu"),
         "step_io/write_outputs": lambda: check_write_outputs("cpu"),

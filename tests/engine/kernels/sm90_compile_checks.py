@@ -55,14 +55,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "silu_mul_1024": ("silu_mul", dict(BLOCK=1024), 4, 1),
     "add_rms_norm_h768": ("add_rms_norm", dict(BLOCK=1024), 4, 1),
     # The tree step's bookkeeping (``engine.kernels.tree_step_io``) at the gpu preset's sizes.
-    "step_slot_window": ("step_window", dict(BLOCK_SIZE=16, BLOCK_W=64), 4, 1),
+    "step_start": ("step_start", dict(BLOCK_SIZE=16, BLOCK_W=64), 4, 1),
+    "step_verify_inputs": ("step_verify", dict(BLOCK_T=64), 4, 1),
     "step_zero_rows": ("step_zero", dict(BLOCK_N=32, BLOCK_D=256), 4, 1),
     "step_advance": ("step_advance", dict(D=6, BLOCK_C=16, BLOCK=1024), 4, 1),
-    "step_write_outputs": ("step_write", dict(P=7, BLOCK_P=8, BLOCK_T=64, BLOCK_H=1024), 4, 1),
+    "step_write_outputs": ("step_write", dict(P=7, BLOCK_P=8, BLOCK_H=1024), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
             "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768",
-            "step_slot_window", "step_zero_rows", "step_advance", "step_write_outputs"]
+            "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs"]
 # Variants allowed a few spilled bytes: the R=256 default tile spills 584 bytes at 4 warps with
 # rows packed token x 12 heads (its float32 accumulator and bfloat16 queries take 192 of 255
 # registers) and 340 with each token's heads padded to 16 rows (the small grids' layout); it was
@@ -74,7 +75,8 @@ TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp3
               "new_mask_ptr": "*i1", "ctx_ptr": "*i32", "qctx_ptr": "*i32", "trash": "i64"}
 STEP_TYPES = {"tables_ptr": "*i32", "kv_ptr": "*bf16", "live_ptr": "*i1", "next_rows_ptr": "*bf16",
               "rows0_ptr": "*bf16", "next_carry_ptr": "*bf16", "carry_ptr": "*bf16",
-              "child_ptr": "*i1", "keep_ptr": "*i1", "keep_out_ptr": "*i1", "hidden_ptr": "*bf16"}
+              "child_ptr": "*i1", "keep_ptr": "*i1", "keep_out_ptr": "*i1", "hidden_ptr": "*bf16",
+              "ctx_ptr": "*i32"}
 
 
 def _arg_type(name: str, fp32: bool) -> str:
@@ -115,7 +117,8 @@ def compile_variant(name: str) -> dict[str, Any]:
     from engine.kernels.tree_select import _rank_kernel, _tables_kernel
     from engine.kernels.tree_step_io import (
         _advance_kernel,
-        _slot_window_kernel,
+        _step_start_kernel,
+        _verify_inputs_kernel,
         _write_outputs_kernel,
         _zero_cache_rows_kernel,
     )
@@ -125,7 +128,8 @@ def compile_variant(name: str) -> dict[str, Any]:
           "compaction": _compact_and_zero_kernel, "tree_rank": _rank_kernel,
           "tree_tables": _tables_kernel, "tree_grow": _grow_kernel, "tree_mtp_rows": _mtp_rows_kernel,
           "mtp_input": _mtp_input_kernel, "silu_mul": _silu_mul_kernel,
-          "add_rms_norm": _add_rms_norm_kernel, "step_window": _slot_window_kernel,
+          "add_rms_norm": _add_rms_norm_kernel, "step_start": _step_start_kernel,
+          "step_verify": _verify_inputs_kernel,
           "step_zero": _zero_cache_rows_kernel, "step_advance": _advance_kernel,
           "step_write": _write_outputs_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")

@@ -7,6 +7,7 @@ the number of cases whose outputs differ (integers and copies: equality is exact
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -14,21 +15,49 @@ import torch
 from engine.spec.graphed_tree import GraphedTreeStep
 
 
-def check_slot_window(device: str) -> tuple[float, float]:
-    """Window slots through random block tables, with positions below 0 clamped."""
-    from engine.kernels.tree_step_io import slot_window_triton
+def check_step_start(device: str) -> tuple[float, float]:
+    """Window slots through random block tables (positions below 0 clamped), last catch-up
+    rows and root tokens, against ``GraphedTreeStep._step_start_torch``."""
+    from engine.kernels.tree_step_io import step_start_triton
 
     gen = torch.Generator().manual_seed(41)
     bad = 0
-    for B, M, bs, W, start in [(1, 8, 16, 47, -12), (5, 10, 4, 20, -9), (3, 40, 16, 130, -20)]:
-        tables = torch.randperm(1000, generator=gen)[: B * M].view(B, M).to(torch.int32)
-        L = torch.randint(0, M * bs - W + start, (B,), generator=gen)
-        L[0] = 0  # the whole window's start below position 0
+    for B, M, bs, W, start, C in [(1, 8, 16, 47, -12, 9), (5, 10, 4, 20, -9, 4), (3, 40, 16, 130, -20, 1)]:
+        buf = SimpleNamespace(
+            tables=torch.randperm(1000, generator=gen)[: B * M].view(B, M).to(torch.int32),
+            L=torch.randint(0, M * bs - W + start, (B,), generator=gen),
+            c=torch.randint(1, C + 1, (B,), generator=gen),
+            tail=torch.randint(0, 8192, (B, C), generator=gen),
+        )
+        buf.L[0] = 0  # the whole window's start below position 0
         offsets = torch.arange(W) + start
-        step = SimpleNamespace(block_size=bs)
-        want = GraphedTreeStep._slots(step, tables, (L[:, None] + offsets).clamp(min=0))  # type: ignore[arg-type]
-        got = slot_window_triton(tables.to(device), L.to(device), offsets.to(device), bs)
-        bad += int(not torch.equal(got.cpu(), want))
+        step = SimpleNamespace(block_size=bs, window_offsets=offsets)
+        step._slots = partial(GraphedTreeStep._slots, step)  # type: ignore[arg-type]
+        want = GraphedTreeStep._step_start_torch(step, buf)  # type: ignore[arg-type]
+        got = step_start_triton(buf.tables.to(device), buf.L.to(device), buf.c.to(device), buf.tail.to(device),
+                                offsets.to(device), bs)  # fmt: skip
+        bad += int(not all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True)))
+    return float(bad), 0.0
+
+
+def check_verify_inputs(device: str) -> tuple[float, float]:
+    """The verify forward's positions, context lengths and tree slots (greedy trees' depths per
+    sequence, and a sampled shape's one row for all) against ``_verify_inputs_torch``."""
+    from engine.kernels.tree_step_io import verify_inputs_triton
+
+    gen = torch.Generator().manual_seed(59)
+    bad = 0
+    for B, N, W, start, shared in [(1, 32, 48, 12, False), (6, 9, 20, 5, True), (4, 4, 9, 2, False)]:
+        depth = torch.randint(0, 7, (1 if shared else B, N + 1), generator=gen).expand(B, N + 1)
+        L = torch.randint(10, 5000, (B,), generator=gen)
+        window = torch.randint(0, 100_000, (B, W), generator=gen)
+        want_buf = SimpleNamespace(L=L, tree_slots=torch.zeros(B, N + 1, dtype=torch.long))
+        step = SimpleNamespace(tree_window_start=start)
+        want = GraphedTreeStep._verify_inputs_torch(step, want_buf, depth, window)  # type: ignore[arg-type]
+        slots = torch.zeros(B, N + 1, dtype=torch.long, device=device)
+        got = verify_inputs_triton(L.to(device), depth.to(device), window.to(device), start, slots)
+        same = all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+        bad += int(not (same and torch.equal(slots.cpu(), want_buf.tree_slots)))
     return float(bad), 0.0
 
 
@@ -82,7 +111,7 @@ def check_advance(device: str) -> tuple[float, float]:
 
 
 def check_write_outputs(device: str) -> tuple[float, float]:
-    """The step's packed results, module 1's next rows and the rollback's inputs from random
+    """The step's packed results, module 1's next rows and the rollback's path from random
     accepted paths (greedy dtypes, and the sampled policy's bool/int64 mix) against
     ``GraphedTreeStep._write_outputs_torch``."""
     from engine.kernels.tree_step_io import write_outputs_triton
@@ -90,7 +119,7 @@ def check_write_outputs(device: str) -> tuple[float, float]:
 
     gen = torch.Generator().manual_seed(53)
     bad = 0
-    for B, D, N, H, W, start in [(1, 6, 32, 768, 48, 12), (6, 3, 9, 40, 20, 5), (3, 2, 4, 1030, 9, 2)]:
+    for B, D, N, H in [(1, 6, 32, 768), (6, 3, 9, 40), (3, 2, 4, 1030)]:
         P = D + 1
         a = torch.randint(0, D + 1, (B, 1), generator=gen)
         acc = AcceptedPath(
@@ -103,15 +132,12 @@ def check_write_outputs(device: str) -> tuple[float, float]:
         )
         tokens = torch.randint(0, 8192, (B, N + 1), generator=gen)
         hidden = torch.randn(B, N + 1, H, generator=gen)
-        window = torch.randint(0, 100_000, (B, W), generator=gen)
         want = SimpleNamespace(packed=torch.zeros(B, 2 + 3 * P, dtype=torch.long), next_rows=torch.zeros(B, P, H),
-                               tree_slots=torch.zeros(B, N + 1, dtype=torch.long),
                                path=torch.zeros(B, P, dtype=torch.long), keep=torch.zeros(B, P, dtype=torch.bool))  # fmt: skip
         got = SimpleNamespace(**{name: t.clone().to(device) for name, t in vars(want).items()})
-        step = SimpleNamespace(tree_window_start=start)
-        GraphedTreeStep._write_outputs_torch(step, want, acc, tokens, hidden, window)  # type: ignore[arg-type]
+        GraphedTreeStep._write_outputs_torch(SimpleNamespace(), want, acc, tokens, hidden)  # type: ignore[arg-type]
         on = [t.to(device) for t in (a, acc.bonus, acc.path, acc.has_child, acc.sibling_rank, acc.on_path,
-                                     tokens, hidden, window)]  # fmt: skip
-        write_outputs_triton(*on[:8], on[8], start, got.packed, got.next_rows, got.tree_slots, got.path, got.keep)
+                                     tokens, hidden)]  # fmt: skip
+        write_outputs_triton(*on, got.packed, got.next_rows, got.path, got.keep)
         bad += int(not all(torch.equal(getattr(got, name).cpu(), t) for name, t in vars(want).items()))
     return float(bad), 0.0
