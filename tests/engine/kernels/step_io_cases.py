@@ -141,3 +141,39 @@ def check_write_outputs(device: str) -> tuple[float, float]:
         write_outputs_triton(*on, got.packed, got.next_rows, got.path, got.keep)
         bad += int(not all(torch.equal(getattr(got, name).cpu(), t) for name, t in vars(want).items()))
     return float(bad), 0.0
+
+
+def check_engine_greedy(device: str) -> tuple[float, float]:
+    """The graphed tree step with the fused bookkeeping kernels in it (on CPU run by the
+    interpreter, where the step's other kernels keep their torch path) decodes the demo model
+    greedily to the same tokens as autoregressive decoding (float32), over batches of 3 (padded
+    to the bucket of 4) and 1, and its padding leaves nothing in the scratch blocks. 1.0 when
+    a token differs, 2.0 when the graphed step did not carry the decode, 3.0 when scratch
+    entries were left."""
+    from pathlib import Path
+
+    from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+    from train.heldout import heldout_prompts
+
+    folder = str(Path(__file__).resolve().parents[3] / "models" / "demo")
+    config = EngineConfig(cuda_graphs=True, max_batch_size=4)
+    ar = LLMEngine.from_pretrained(folder, device=device, spec=SpecConfig(method="none"), engine_config=config)
+    eng = LLMEngine.from_pretrained(folder, device=device, spec=SpecConfig(method="tree", min_path_prob=0.0),
+                                    engine_config=config)  # fmt: skip
+    runner = eng.graphed_tree
+    assert runner is not None
+    runner.fused_io = True  # on a GPU it is already
+    steps: list[int] = []
+    run = runner.run
+    runner.run = lambda seqs: steps.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = heldout_prompts(folder, eng.tokenizer, 4, 32)  # type: ignore[arg-type]
+    for batch in (prompts[:3], prompts[3:]):
+        want = [o.token_ids for o in ar.generate(batch, greedy)]
+        if [o.token_ids for o in eng.generate(batch, greedy)] != want:
+            return 1.0, 0.0
+    if len(steps) < 6:
+        return 2.0, 0.0
+    if torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) != 0:
+        return 3.0, 0.0
+    return 0.0, 0.0

@@ -164,7 +164,7 @@ def test_fused_tree_commit_is_bit_exact_on_gpu() -> None:
     assert bad == 0, f"the fused tree KV commit differs from the replay in {bad:.0f} cases"
 
 
-@pytest.mark.parametrize("name", ["step_start", "verify_inputs", "zero_cache_rows", "advance", "write_outputs"])
+@pytest.mark.parametrize("name", ["step_start", "verify_inputs", "zero_cache_rows", "advance", "write_outputs", "engine_greedy"])
 def test_fused_step_bookkeeping_equals_the_torch_ops_on_gpu(name: str) -> None:
     from tests.engine.kernels import step_io_cases
 
