@@ -162,9 +162,21 @@ class DeepseekV3ForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """MTP module ``depth`` -> its normalised hidden [N, H] (logits via ``self.logits``)."""
-        layer, x = self._mtp_input(depth, prev_hidden, input_ids)
-        rope_tables = self._rope_tables(x, batch)
-        x, pending = layer.forward_paged(x, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])
+        _, x = self._mtp_input(depth, prev_hidden, input_ids)
+        return self.forward_mtp_fused(depth, x, batch, kv_cache)
+
+    def forward_mtp_fused(
+        self,
+        depth: int,  # 1-based module index
+        fused: torch.Tensor,  # [N, H] the module's fused input (``MTPLayer.fuse_input_ids``)
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward_mtp`` from the module's fused input rows (the graphed tree step builds them
+        from the parts its rows come in: ``engine.kernels.mtp_input_parts``)."""
+        layer = self.mtp_layer(depth)
+        rope_tables = self._rope_tables(fused, batch)
+        x, pending = layer.forward_paged(fused, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])
         return add_rms_norm(layer.shared_head.norm, x, pending)[1]
 
     def write_mtp_latents(

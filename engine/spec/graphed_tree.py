@@ -332,6 +332,11 @@ class GraphedTreeStep:
     become the next frontier (``_grow``) and how the verified tree is accepted (``_accept``).
     """
 
+    # Whether the step's bookkeeping and MTP inputs take their Triton kernels (None: on CUDA
+    # with Triton). Tests set it to compare the two paths: on CPU under the Triton interpreter,
+    # on a GPU before the graphs are captured.
+    FUSED_IO: bool | None = None
+
     def __init__(
         self,
         model: DeepseekV3ForCausalLM,
@@ -381,7 +386,7 @@ class GraphedTreeStep:
             torch.arange(cache.shape[0], device=self.device).repeat_interleave(scratch_slots.numel()),
             scratch_slots.repeat(cache.shape[0]),
         )  # ([layers * slots] layer, [layers * slots] slot)
-        self.fused_io = self.device.type == "cuda" and triton_available()
+        self.fused_io = self.device.type == "cuda" and triton_available() if self.FUSED_IO is None else self.FUSED_IO
         # live_rows[b][n]: the live mask of bucket b with n real sequences [b] bool.
         self.live_rows = {b: torch.arange(b, device=self.device)[None] < torch.arange(b + 1, device=self.device)[:, None]
                           for b in self.buckets}  # fmt: skip
@@ -731,8 +736,8 @@ class GraphedTreeStep:
         buf: _Buffers,
         plan: _RowPlan,
         window: Tensor,  # [B, W] flat slots of positions L - k - C + 1 + w (see _RowPlan)
-        tokens: Tensor,  # [B, R] token of each row
-        prev: Tensor,  # [B, R, H] previous depth's hidden of each row
+        tok_parts: list[Tensor],  # [B, r_i] the rows' tokens, in parts (sum r_i = R)
+        prev_parts: list[Tensor],  # [B, r_i, H] the previous depth's hidden of each row, in parts
         zero_out: Tensor,  # [B * R] where the forward's slots to zero go (``_zero_drafts``)
     ) -> Tensor:  # [B, R, H]
         B, R = buf.bucket, plan.rows
@@ -746,10 +751,27 @@ class GraphedTreeStep:
             new_mask=rows.new_mask,
             query_ctx_lens=rows.query_ctx_lens,
         )
-        hidden = self.model.forward_mtp(
-            plan.module, prev.reshape(B * R, -1), tokens.reshape(-1), batch, self.pool.kv_cache
-        )
+        fused = self._mtp_input(plan.module, tok_parts, prev_parts)  # [B * R, H]
+        hidden = self.model.forward_mtp_fused(plan.module, fused, batch, self.pool.kv_cache)
         return hidden.view(B, R, -1)
+
+    def _mtp_input(self, module: int, tok_parts: list[Tensor], prev_parts: list[Tensor]) -> Tensor:
+        """Module ``module``'s fused input rows [B * R, H] from the rows' parts: on CUDA with
+        Triton one kernel reads each part where it lies (``engine.kernels.mtp_input_parts``),
+        else the parts are concatenated (``MTPLayer.fuse_input_ids``)."""
+        layer = self.model.mtp_layer(module)
+        embed = self.model.model.embed_tokens
+        if self.fused_io and embed.weight.dtype == layer.enorm.weight.dtype == prev_parts[0].dtype:
+            from engine.kernels.mtp_input_parts import mtp_input_parts
+
+            rows = run_kernel("mtp_input_parts", lambda: mtp_input_parts(
+                tok_parts, prev_parts, embed.weight, layer.enorm.weight, layer.enorm.eps,
+                layer.hnorm.weight, layer.hnorm.eps))  # fmt: skip
+            if rows is not None:
+                return layer.eh_proj(rows)
+        tokens = torch.cat(tok_parts, 1) if len(tok_parts) > 1 else tok_parts[0]  # [B, R]
+        prev = torch.cat(prev_parts, 1) if len(prev_parts) > 1 else prev_parts[0]  # [B, R, H]
+        return layer.fuse_input_ids(embed, tokens.reshape(-1), prev.reshape(tokens.numel(), -1))
 
     def _zero_drafts(self, buf: _Buffers) -> None:
         """Zero what every MTP forward of the step wrote past its committed rows (drafts and
@@ -782,9 +804,7 @@ class GraphedTreeStep:
                 assert front_tok is not None and front_prev is not None
                 tok_parts.append(front_tok)
                 prev_parts.append(front_prev)
-            tokens = torch.cat(tok_parts, 1) if len(tok_parts) > 1 else tok_parts[0]  # [B, R]
-            prev = torch.cat(prev_parts, 1) if len(prev_parts) > 1 else prev_parts[0]  # [B, R, H]
-            out = self._mtp_forward(buf, plan, window, tokens, prev, buf.draft_zero_parts[m - 1])
+            out = self._mtp_forward(buf, plan, window, tok_parts, prev_parts, buf.draft_zero_parts[m - 1])
             if plan.catch_up and m < k:  # module m+1's catch-up rows: the carried row, then these
                 # The last catch-up row (hidden at index L - m), written where the next step's
                 # carry is read from (it is an output: nothing reads it during the step).

@@ -38,6 +38,7 @@ from tests.engine.kernels.fused_cases import (
 from tests.engine.kernels.step_io_cases import (
     check_advance,
     check_engine_greedy,
+    check_mtp_input_parts,
     check_step_start,
     check_verify_inputs,
     check_write_outputs,
@@ -173,6 +174,7 @@ def run_all() -> dict[str, dict]:
         "step_io/zero_cache_rows": lambda: check_zero_cache_rows("cpu"),
         "step_io/advance": lambda: check_advance("cpu"),
         "step_io/write_outputs": lambda: check_write_outputs("cpu"),
+        "step_io/mtp_input_parts": lambda: check_mtp_input_parts("cpu"),
         "step_io/engine_greedy": lambda: check_engine_greedy("cpu"),
     }
     for name, job in jobs.items():

@@ -60,10 +60,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "step_zero_rows": ("step_zero", dict(BLOCK_N=32, BLOCK_D=256), 4, 1),
     "step_advance": ("step_advance", dict(D=6, BLOCK_C=16, BLOCK=1024), 4, 1),
     "step_write_outputs": ("step_write", dict(P=7, BLOCK_P=8, BLOCK_H=1024), 4, 1),
+    "step_mtp_input_parts_h768": ("step_mtp_parts", dict(BLOCK=1024), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
             "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768",
-            "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs"]
+            "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs",
+            "step_mtp_input_parts_h768"]
 # Variants allowed a few spilled bytes: the R=256 default tile spills 584 bytes at 4 warps with
 # rows packed token x 12 heads (its float32 accumulator and bfloat16 queries take 192 of 255
 # registers) and 340 with each token's heads padded to 16 rows (the small grids' layout); it was
@@ -76,7 +78,9 @@ TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp3
 STEP_TYPES = {"tables_ptr": "*i32", "kv_ptr": "*bf16", "live_ptr": "*i1", "next_rows_ptr": "*bf16",
               "rows0_ptr": "*bf16", "next_carry_ptr": "*bf16", "carry_ptr": "*bf16",
               "child_ptr": "*i1", "keep_ptr": "*i1", "keep_out_ptr": "*i1", "hidden_ptr": "*bf16",
-              "ctx_ptr": "*i32"}
+              "ctx_ptr": "*i32", "prev0_ptr": "*bf16", "prev1_ptr": "*bf16", "prev2_ptr": "*bf16",
+              "emb_ptr": "*bf16", "ew_ptr": "*bf16", "hw_ptr": "*bf16", "out_ptr": "*bf16",
+              "eps_e": "fp32", "eps_h": "fp32"}
 
 
 def _arg_type(name: str, fp32: bool) -> str:
@@ -111,6 +115,7 @@ def compile_variant(name: str) -> dict[str, Any]:
         _mtp_input_kernel,
         _silu_mul_kernel,
     )
+    from engine.kernels.mtp_input_parts import _mtp_input_parts_kernel
     from engine.kernels.mtp_rows import _mtp_rows_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
@@ -131,7 +136,7 @@ def compile_variant(name: str) -> dict[str, Any]:
           "add_rms_norm": _add_rms_norm_kernel, "step_start": _step_start_kernel,
           "step_verify": _verify_inputs_kernel,
           "step_zero": _zero_cache_rows_kernel, "step_advance": _advance_kernel,
-          "step_write": _write_outputs_kernel}[kind]  # fmt: skip
+          "step_write": _write_outputs_kernel, "step_mtp_parts": _mtp_input_parts_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {"BLOCK_R": 512, "BLOCK_P": 64, **consts,

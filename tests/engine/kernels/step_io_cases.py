@@ -144,36 +144,83 @@ def check_write_outputs(device: str) -> tuple[float, float]:
 
 
 def check_engine_greedy(device: str) -> tuple[float, float]:
-    """The graphed tree step with the fused bookkeeping kernels in it (on CPU run by the
-    interpreter, where the step's other kernels keep their torch path) decodes the demo model
-    greedily to the same tokens as autoregressive decoding (float32), over batches of 3 (padded
-    to the bucket of 4) and 1, and its padding leaves nothing in the scratch blocks. 1.0 when
-    a token differs, 2.0 when the graphed step did not carry the decode, 3.0 when scratch
-    entries were left."""
+    """The graphed tree step with the fused bookkeeping and MTP-input kernels in it (on CPU run
+    by the Triton interpreter, where the step's other kernels keep their torch path) against the
+    same step without them (``GraphedTreeStep.FUSED_IO``): on the demo model, greedy, float32,
+    over batches of 3 (padded to the bucket of 4) and 1. Returns 1.0 when a token differs from
+    autoregressive decoding, 2.0 when the two steps' acceptance counts differ (drafts are
+    verified, so a wrong draft changes only those), 3.0 when the graphed step did not carry the
+    decode, 4.0 when padding rows left entries in the scratch blocks; else 0.0."""
     from pathlib import Path
 
     from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+    from engine.spec.graphed_tree import GraphedTreeStep
     from train.heldout import heldout_prompts
 
     folder = str(Path(__file__).resolve().parents[3] / "models" / "demo")
     config = EngineConfig(cuda_graphs=True, max_batch_size=4)
+    tree = SpecConfig(method="tree", min_path_prob=0.0)
     ar = LLMEngine.from_pretrained(folder, device=device, spec=SpecConfig(method="none"), engine_config=config)
-    eng = LLMEngine.from_pretrained(folder, device=device, spec=SpecConfig(method="tree", min_path_prob=0.0),
-                                    engine_config=config)  # fmt: skip
-    runner = eng.graphed_tree
-    assert runner is not None
-    runner.fused_io = True  # on a GPU it is already
+    GraphedTreeStep.FUSED_IO = False
+    try:
+        unfused = LLMEngine.from_pretrained(folder, device=device, spec=tree, engine_config=config)
+        GraphedTreeStep.FUSED_IO = True  # on CPU: the interpreter runs them
+        fused = LLMEngine.from_pretrained(folder, device=device, spec=tree, engine_config=config)
+    finally:
+        GraphedTreeStep.FUSED_IO = None
+    runner = fused.graphed_tree
+    assert runner is not None and runner.fused_io
     steps: list[int] = []
     run = runner.run
     runner.run = lambda seqs: steps.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompts = heldout_prompts(folder, eng.tokenizer, 4, 32)  # type: ignore[arg-type]
+    prompts = heldout_prompts(folder, fused.tokenizer, 4, 32)  # type: ignore[arg-type]
     for batch in (prompts[:3], prompts[3:]):
         want = [o.token_ids for o in ar.generate(batch, greedy)]
-        if [o.token_ids for o in eng.generate(batch, greedy)] != want:
-            return 1.0, 0.0
-    if len(steps) < 6:
+        for eng in (unfused, fused):
+            if [o.token_ids for o in eng.generate(batch, greedy)] != want:
+                return 1.0, 0.0
+    if fused.acceptance.snapshot() != unfused.acceptance.snapshot():
         return 2.0, 0.0
-    if torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) != 0:
+    if len(steps) < 6:
         return 3.0, 0.0
+    if torch.count_nonzero(fused.pool.kv_cache[:, fused.static_scratch_blocks]) != 0:
+        return 4.0, 0.0
     return 0.0, 0.0
+
+
+def check_mtp_input_parts(device: str) -> tuple[float, float]:
+    """MTP input rows read from their parts (a repeated row, strided views, one to three parts)
+    against the fused kernel's reference on the concatenated rows: norms and concatenation as
+    ``MTPLayer.fuse_inputs`` computes them (float32)."""
+    from engine.kernels.mtp_input_parts import mtp_input_parts
+
+    gen = torch.Generator().manual_seed(61)
+    B, H, V, C, K = 3, 80, 50, 5, 4
+    embed = torch.randn(V, H, generator=gen) * 2
+    enorm_w, hnorm_w = torch.rand(H, generator=gen) + 0.5, torch.rand(H, generator=gen) + 0.5
+    tail = torch.randint(0, V, (B, C), generator=gen)
+    front_tok = torch.randint(0, V, (B, K), generator=gen)
+    carry = torch.randn(B, 3, H, generator=gen)  # [B, k - 1, H]: one column used
+    out_prev = torch.randn(B, C + K, H, generator=gen)  # the previous depth's outputs
+    root_row = torch.randn(B, 1, H, generator=gen)
+    front = torch.randn(B, K, H, generator=gen)
+    cases = [  # (token parts, hidden parts): catch-up only, depth 2 (root row repeated), deeper, frontier only
+        ([tail], [torch.randn(B, C, H, generator=gen)]),
+        ([tail, front_tok], [carry[:, 0:1], out_prev[:, : C - 1], root_row.expand(B, K, H)]),
+        ([tail, front_tok], [carry[:, 2:3], out_prev[:, : C - 1], front]),
+        ([front_tok], [front]),
+    ]
+
+    def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    err = 0.0
+    for toks, prevs in cases:
+        ids = torch.cat(toks, 1).reshape(-1)
+        prev = torch.cat(prevs, 1).reshape(ids.numel(), H)
+        want = torch.cat([norm(embed[ids], enorm_w, 1e-6), norm(prev, hnorm_w, 1e-5)], -1)
+        got = mtp_input_parts([t.to(device) for t in toks], [p.to(device) for p in prevs], embed.to(device),
+                              enorm_w.to(device), 1e-6, hnorm_w.to(device), 1e-5)  # fmt: skip
+        err = max(err, (got.cpu().double() - want.double()).abs().max().item())
+    return err, 1e-5

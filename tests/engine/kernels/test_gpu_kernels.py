@@ -170,3 +170,10 @@ def test_fused_step_bookkeeping_equals_the_torch_ops_on_gpu(name: str) -> None:
 
     bad, _ = getattr(step_io_cases, f"check_{name}")("cuda")
     assert bad == 0, f"the fused {name} kernel differs from the torch ops in {bad:.0f} cases"
+
+
+def test_mtp_input_from_parts_matches_the_concatenated_rows_on_gpu() -> None:
+    from tests.engine.kernels.step_io_cases import check_mtp_input_parts
+
+    err, tol = check_mtp_input_parts("cuda")
+    assert err <= tol, f"max abs error {err:.3g} > {tol:.3g}"
