@@ -18,7 +18,7 @@ MAX_VOCAB = 32768  # larger vocabularies take the PyTorch path
 
 
 @triton.jit
-def _logprob_topk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, K: tl.constexpr, BLOCK: tl.constexpr):
+def _logprob_topk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, stride_out, K: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + r * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -27,21 +27,31 @@ def _logprob_topk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, K: tl.constexpr, 
     for j in tl.static_range(K):
         best = tl.max(x, axis=0)
         pick = tl.min(tl.where(x == best, offs, BLOCK), axis=0)  # the lowest id among ties
-        tl.store(val_ptr + r * K + j, best - lse)
-        tl.store(idx_ptr + r * K + j, pick.to(tl.int64))
+        tl.store(val_ptr + r * stride_out + j, best - lse)
+        tl.store(idx_ptr + r * stride_out + j, pick.to(tl.int64))
         x = tl.where(offs == pick, float("-inf"), x)
 
 
-def logprob_topk_triton(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``log_softmax(logits, -1).topk(k)`` over the last dim: (values float32, indices int64)."""
+def logprob_topk_triton(
+    logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """``log_softmax(logits, -1).topk(k)`` over the last dim: (values float32, indices int64).
+    ``out``: where to write them for 2-D ``logits`` [R, V] (values, indices [R, k] views with
+    contiguous columns and one row stride, e.g. columns of a larger buffer)."""
     *lead, V = logits.shape
     rows = logits.reshape(-1, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     R = rows.shape[0]
-    values = torch.empty(R, k, dtype=torch.float32, device=logits.device)
-    index = torch.empty(R, k, dtype=torch.int64, device=logits.device)
+    if out is None:
+        values = torch.empty(R, k, dtype=torch.float32, device=logits.device)
+        index = torch.empty(R, k, dtype=torch.int64, device=logits.device)
+    else:
+        values, index = out
+        assert logits.dim() == 2 and values.shape == index.shape == (R, k)
+        assert values.dtype == torch.float32 and index.dtype == torch.int64
+        assert values.stride() == index.stride() and values.stride(1) == 1
     block = triton.next_power_of_2(V)
-    _logprob_topk_kernel[(R,)](rows, values, index, V, rows.stride(0), K=k, BLOCK=block,
+    _logprob_topk_kernel[(R,)](rows, values, index, V, rows.stride(0), values.stride(0), K=k, BLOCK=block,
                                num_warps=8 if block >= 4096 else 4)  # fmt: skip
-    return values.view(*lead, k), index.view(*lead, k)
+    return (values, index) if out is not None else (values.view(*lead, k), index.view(*lead, k))

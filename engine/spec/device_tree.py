@@ -38,17 +38,25 @@ def topk_last(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
     return best, index.flatten(-2).gather(-1, pick)
 
 
-def logprob_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def logprob_topk(
+    logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None = None, fused: bool | None = None
+) -> tuple[Tensor, Tensor]:
     """``log_softmax(logits, -1)`` (float32) and its top ``k`` (values descending, indices):
-    one fused kernel on CUDA with Triton, else ``topk_last`` of the log-softmax."""
-    if logits.is_cuda and triton_available():
+    one fused kernel on CUDA with Triton (``fused``: None for that, else whether to), else
+    ``topk_last`` of the log-softmax. ``out``: [R, k] views to write them into (2-D logits)."""
+    if logits.is_cuda and triton_available() if fused is None else fused:
         from engine.kernels.logprob_topk import MAX_VOCAB, logprob_topk_triton
 
         if logits.shape[-1] <= MAX_VOCAB:
-            fused = run_kernel("logprob_topk", lambda: logprob_topk_triton(logits, k))
-            if fused is not None:
-                return fused
-    return topk_last(torch.log_softmax(logits, dim=-1, dtype=torch.float32), k)
+            result = run_kernel("logprob_topk", lambda: logprob_topk_triton(logits, k, out))
+            if result is not None:
+                return result
+    values, index = topk_last(torch.log_softmax(logits, dim=-1, dtype=torch.float32), k)
+    if out is None:
+        return values, index
+    out[0].copy_(values)
+    out[1].copy_(index)
+    return out
 
 
 _TIES: dict[tuple[int, torch.device], Tensor] = {}
@@ -70,19 +78,27 @@ def grow_frontier(
     child_tok: Tensor,  # [B, K, K] their tokens
     front_hidden: Tensor,  # [B, K, H] the frontier rows' hidden states
     offset: int,  # candidate index of this depth's first child
+    out: tuple[Tensor, Tensor, Tensor] | None = None,  # [B, K*K] views for the candidates
+    fused: bool | None = None,  # the Triton kernel (None: on CUDA with Triton)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One depth of the greedy tree's growth: the depth's ``K * K`` candidates (cumulative
-    scores, tokens, parent candidate indices [B, K*K]) and the next frontier, their ``K`` best
-    (scores, candidate indices, tokens [B, K], their parents' hidden rows [B, K, H]). On CUDA
-    with Triton one fused kernel (``engine.kernels.tree_grow``); else torch ops."""
-    if front_hidden.is_cuda and triton_available():
+    scores, tokens, parent candidate indices [B, K*K], written into ``out`` when given) and the
+    next frontier, their ``K`` best (scores, candidate indices, tokens [B, K], their parents'
+    hidden rows [B, K, H]). On CUDA with Triton one fused kernel (``engine.kernels.tree_grow``);
+    else torch ops."""
+    if front_hidden.is_cuda and triton_available() if fused is None else fused:
         from engine.kernels.tree_grow import grow_frontier_triton
 
-        fused = run_kernel("grow_frontier", lambda: grow_frontier_triton(
-            front_score, front_idx, child_logp, child_tok, front_hidden, offset))  # fmt: skip
-        if fused is not None:
-            return fused
-    return grow_frontier_torch(front_score, front_idx, child_logp, child_tok, front_hidden, offset)
+        result = run_kernel("grow_frontier", lambda: grow_frontier_triton(
+            front_score, front_idx, child_logp, child_tok, front_hidden, offset, out))  # fmt: skip
+        if result is not None:
+            return result
+    grown = grow_frontier_torch(front_score, front_idx, child_logp, child_tok, front_hidden, offset)
+    if out is None:
+        return grown
+    for dst, src in zip(out, grown[:3], strict=True):
+        dst.copy_(src)
+    return (*out, *grown[3:])
 
 
 def grow_frontier_torch(

@@ -943,9 +943,14 @@ class GraphedGreedyTree(GraphedTreeStep):
         # Candidate depth of each candidate index (depth-major creation order).
         depths = [1] * K + [m for m in range(2, D + 1) for _ in range(K * K)]
         self.cand_depth = torch.tensor(depths, dtype=torch.long, device=self.device)  # [T]
-        self.root_parents = torch.full((1, K), -1, dtype=torch.long, device=self.device)
         self.first_frontier = torch.arange(K, device=self.device)  # [K] candidates 0..K-1
-        self._cand: dict[str, list[Tensor]] = {}
+        # Each bucket's candidates (scores, tokens, parent candidate indices [B, T]), written
+        # in place depth by depth; the depth-1 candidates' parents are the root (-1) for good.
+        T = len(depths)
+        self._cand = {b: (torch.zeros(b, T, dtype=torch.float32, device=self.device),
+                          torch.zeros(b, T, dtype=torch.long, device=self.device),
+                          torch.full((b, T), -1, dtype=torch.long, device=self.device))
+                      for b in self.buckets}  # fmt: skip
         self._front: tuple[Tensor, Tensor] | None = None  # frontier scores, candidate indices
         self._capture()
 
@@ -954,27 +959,28 @@ class GraphedGreedyTree(GraphedTreeStep):
 
     def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
         B, K, H = buf.bucket, self.K, self.hidden_size
+        cand_score, cand_tok, cand_parent = self._cand[B]  # [B, T] each
+        fused = self.fused_io or None  # the Triton kernels also where fused_io is forced on
         if m == 1:
-            score, token = logprob_topk(self.model.lm_head(front_hidden[:, 0]), K)  # [B, K]
-            self._cand = {"tok": [token], "score": [score], "parent": [self.root_parents.expand(B, K)]}
+            score, token = logprob_topk(self.model.lm_head(front_hidden[:, 0]), K,
+                                        out=(cand_score[:, :K], cand_tok[:, :K]), fused=fused)  # [B, K]
             self._front = score, self.first_frontier.expand(B, K)
             return token, front_hidden.expand(B, K, H)
         assert self._front is not None
-        child_logp, child_tok = logprob_topk(self.model.lm_head(front_hidden), K)  # [B, K, K]
-        score, tok, parent, front_score, front_idx, token, hidden = grow_frontier(
-            *self._front, child_logp, child_tok, front_hidden, K + (m - 2) * K * K
-        )  # [B, K*K] x3, [B, K] x3, [B, K, H]
-        self._cand["tok"].append(tok)
-        self._cand["score"].append(score)
-        self._cand["parent"].append(parent)
+        child_logp, child_tok = logprob_topk(self.model.lm_head(front_hidden), K, fused=fused)  # [B, K, K]
+        start = K + (m - 2) * K * K
+        cols = slice(start, start + K * K)
+        _, _, _, front_score, front_idx, token, hidden = grow_frontier(
+            *self._front, child_logp, child_tok, front_hidden, start,
+            out=(cand_score[:, cols], cand_tok[:, cols], cand_parent[:, cols]), fused=fused,
+        )  # [B, K] x3, [B, K, H]; the depth's candidates [B, K*K] into the buffers
         self._front = front_score, front_idx
         return token, hidden
 
     def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
-        cand = self._cand
+        cand_score, cand_tok, cand_parent = self._cand[buf.bucket]
         tree_tok, self._parents, self._depth, mask = select_tree(
-            torch.cat(cand["score"], 1), torch.cat(cand["parent"], 1), torch.cat(cand["tok"], 1),
-            self.cand_depth, self._root, self.N, self.D,
+            cand_score, cand_parent, cand_tok, self.cand_depth, self._root, self.N, self.D,
         )  # [B, N+1] x3, [B, N+1, N+1]
         return tree_tok, self._depth, mask
 

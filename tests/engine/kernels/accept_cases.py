@@ -63,7 +63,13 @@ def check_logprob_topk(device: str) -> tuple[float, float]:
         logits = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
         want_v, want_i = torch.log_softmax(logits, -1, dtype=torch.float32).topk(k, -1)
         got_v, got_i = logprob_topk_triton(logits, k)
-        if not torch.equal(want_i, got_i):
+        # Into columns of wider buffers, as the graphed tree writes its depth-1 candidates.
+        buf_v = torch.zeros(rows, k + 5, device=device)
+        buf_i = torch.zeros(rows, k + 5, dtype=torch.long, device=device)
+        logprob_topk_triton(logits, k, out=(buf_v[:, 2 : k + 2], buf_i[:, 2 : k + 2]))
+        if not (torch.equal(want_i, got_i) and torch.equal(buf_i[:, 2 : k + 2], got_i)):
+            return 1.0, 1e-5
+        if not torch.equal(buf_v[:, 2 : k + 2], got_v) or buf_i[:, :2].any() or buf_i[:, k + 2 :].any():
             return 1.0, 1e-5
         err = max(err, (want_v - got_v).abs().max().item())
     return err, 1e-5

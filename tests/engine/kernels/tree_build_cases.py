@@ -75,7 +75,20 @@ def check_grow_frontier(device: str) -> tuple[float, float]:
         args = [t.to(device) for t in (front_score, front_idx, child_logp, child_tok, out[:, C:])]
         offset = 4 + 16 * trial
         want = grow_frontier_torch(*args, offset)
-        got = grow_frontier_triton(*args, offset)
+        if trial % 3 == 2:  # the graphed step's layout: the frontier read from and the depth's
+            # candidates written into columns of [B, T] buffers, the indices one row for all
+            T = offset + K * K + 3
+            buffers = [torch.zeros(B, T, dtype=dt, device=device) for dt in (torch.float32, torch.long, torch.long)]
+            buffers[0][:, 1 : K + 1] = args[0]
+            args[0] = buffers[0][:, 1 : K + 1]
+            args[1] = args[1][:1].expand(B, K)
+            want = grow_frontier_torch(*args, offset)
+            cols = slice(offset, offset + K * K)
+            got = grow_frontier_triton(*args, offset, out=tuple(b[:, cols] for b in buffers))  # type: ignore[arg-type]
+            if not all(torch.equal(w, b[:, cols]) for w, b in zip(want[:3], buffers, strict=True)):
+                return 1.0, 0.0
+        else:
+            got = grow_frontier_triton(*args, offset)
         if not all(torch.equal(w, g) for w, g in zip(want, got, strict=True)):
             return 1.0, 0.0
     return 0.0, 0.0
