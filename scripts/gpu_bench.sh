@@ -25,6 +25,8 @@
 # PROFILE_S seconds (default 120), with --catch-up and host profiles at the last of them, into
 # RESULTS_DIR/profile.tar.gz: one file, as the device tool brings back 8 at most; PROFILE_ARGS,
 # default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
+# STEP_PROFILE (set: after the trace, the batch-1 tree and autoregressive steps' kernels in order,
+# scripts/spec_step_profile.py on random weights, into RESULTS_DIR/step-profile.txt),
 # SWEEP_MARGIN_S (default 120: seconds past the sweep's limit before a stalled sweep is stopped
 # with SIGABRT and a stack dump),
 # MTPSERVE_COMMIT (recorded as the commit; set it where the copy has no .git or a stale one, as
@@ -111,6 +113,18 @@ if [ -n "${PROFILE_BATCHES:-}" ] && [ "$LEFT" -gt 30 ]; then
         ${PROFILE_ARGS:---closed-rounds --catch-up-profile-batch ${PROFILE_BATCHES##*,}} \
         > "$PROF/stdout.txt" 2>&1 || echo "== profile exited with status $?"
     tar czf "$OUT/profile.tar.gz" -C "$PROF" .
+fi
+LEFT=$(( END_S - ($(date +%s) - START) ))
+if [ -n "${STEP_PROFILE:-}" ] && [ "$LEFT" -gt 40 ]; then
+    # Every kernel of one batch-1 tree step and one autoregressive step, in order, on random
+    # weights of the preset (the step's cost does not depend on them): the device time and
+    # launch count of the code just swept (~60 s with the graphs' capture).
+    echo "== batch-1 step profile ($(( LEFT < 120 ? LEFT : 120 )) s at most)"
+    STEP_DIR=$(mktemp -d)  # only the text comes back (the device tool returns 8 files at most)
+    timeout $(( LEFT < 120 ? LEFT : 120 )) "$PY" scripts/spec_step_profile.py "$STEP_DIR" \
+        --random-preset gpu --max-batch 1 --profile 1:64:tree,1:64:none --sequence --no-sweep \
+        > /dev/null 2>&1 || echo "== step profile exited with status $?"
+    cp "$STEP_DIR/spec_step_profile.txt" "$OUT/step-profile.txt" 2>/dev/null || true
 fi
 LEFT=$(( END_S - ($(date +%s) - START) ))
 # The validation takes ~190 s on the H200 (8 prompts): with less it would be cut off and write
