@@ -88,11 +88,26 @@ class MTPLayer(DecoderLayer):
         """``fuse_inputs(embed(input_ids), prev_hidden)``: input_ids [N], prev_hidden [N, H] ->
         [N, H]. In inference on a GPU the lookup, both norms and the concatenation are one
         kernel (``engine.kernels.fused_layers.mtp_input``)."""
-        dtype = prev_hidden.dtype
-        if use_fused_kernels(prev_hidden) and embed.weight.dtype == self.enorm.weight.dtype == dtype:
-            from engine.kernels.fused_layers import mtp_input
+        return self.fuse_input_parts(embed, [input_ids[None]], [prev_hidden.contiguous()[None]])
 
-            rows = mtp_input(input_ids, embed.weight, prev_hidden.contiguous(), self.enorm.weight,
-                             self.enorm.eps, self.hnorm.weight, self.hnorm.eps)  # fmt: skip
-            return self.eh_proj(rows)
-        return self.fuse_inputs(embed(input_ids), prev_hidden)
+    def fuse_input_parts(
+        self,
+        embed: nn.Embedding,
+        token_parts: list[torch.Tensor],  # [B, T_i] the rows' tokens, in parts
+        prev_parts: list[torch.Tensor],  # [B, P_i, H] their previous-depth hidden, in parts
+        fused: bool | None = None,  # the Triton kernel (None: in inference on a GPU)
+    ) -> torch.Tensor:  # [B * R, H], rows sequence-major
+        """``fuse_input_ids`` of the rows ``cat(token_parts, 1)``, ``cat(prev_parts, 1)``: the
+        kernel reads each part where it lies (``engine.kernels.fused_layers.mtp_input_parts``,
+        up to 2 token and 3 hidden parts, last dims contiguous); else they are concatenated."""
+        dtype = prev_parts[0].dtype
+        if use_fused_kernels(prev_parts[0]) if fused is None else fused:
+            if embed.weight.dtype == self.enorm.weight.dtype == dtype:
+                from engine.kernels.fused_layers import mtp_input_parts
+
+                rows = mtp_input_parts(token_parts, prev_parts, embed.weight, self.enorm.weight,
+                                       self.enorm.eps, self.hnorm.weight, self.hnorm.eps)  # fmt: skip
+                return self.eh_proj(rows)
+        tokens = torch.cat(token_parts, 1) if len(token_parts) > 1 else token_parts[0]  # [B, R]
+        prev = torch.cat(prev_parts, 1) if len(prev_parts) > 1 else prev_parts[0]  # [B, R, H]
+        return self.fuse_inputs(embed(tokens.reshape(-1)), prev.reshape(tokens.numel(), -1))

@@ -173,7 +173,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """``forward_mtp`` from the module's fused input rows (the graphed tree step builds them
-        from the parts its rows come in: ``engine.kernels.mtp_input_parts``)."""
+        from the parts its rows come in: ``MTPLayer.fuse_input_parts``)."""
         layer = self.mtp_layer(depth)
         rope_tables = self._rope_tables(fused, batch)
         x, pending = layer.forward_paged(fused, self.rope, rope_tables, batch, kv_cache[self.mtp_cache_layer(depth)])

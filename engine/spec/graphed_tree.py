@@ -751,27 +751,12 @@ class GraphedTreeStep:
             new_mask=rows.new_mask,
             query_ctx_lens=rows.query_ctx_lens,
         )
-        fused = self._mtp_input(plan.module, tok_parts, prev_parts)  # [B * R, H]
+        # The input rows from their parts (one kernel on CUDA: no concatenation first).
+        fused = self.model.mtp_layer(plan.module).fuse_input_parts(
+            self.model.model.embed_tokens, tok_parts, prev_parts, fused=self.fused_io or None
+        )  # [B * R, H]
         hidden = self.model.forward_mtp_fused(plan.module, fused, batch, self.pool.kv_cache)
         return hidden.view(B, R, -1)
-
-    def _mtp_input(self, module: int, tok_parts: list[Tensor], prev_parts: list[Tensor]) -> Tensor:
-        """Module ``module``'s fused input rows [B * R, H] from the rows' parts: on CUDA with
-        Triton one kernel reads each part where it lies (``engine.kernels.mtp_input_parts``),
-        else the parts are concatenated (``MTPLayer.fuse_input_ids``)."""
-        layer = self.model.mtp_layer(module)
-        embed = self.model.model.embed_tokens
-        if self.fused_io and embed.weight.dtype == layer.enorm.weight.dtype == prev_parts[0].dtype:
-            from engine.kernels.mtp_input_parts import mtp_input_parts
-
-            rows = run_kernel("mtp_input_parts", lambda: mtp_input_parts(
-                tok_parts, prev_parts, embed.weight, layer.enorm.weight, layer.enorm.eps,
-                layer.hnorm.weight, layer.hnorm.eps))  # fmt: skip
-            if rows is not None:
-                return layer.eh_proj(rows)
-        tokens = torch.cat(tok_parts, 1) if len(tok_parts) > 1 else tok_parts[0]  # [B, R]
-        prev = torch.cat(prev_parts, 1) if len(prev_parts) > 1 else prev_parts[0]  # [B, R, H]
-        return layer.fuse_input_ids(embed, tokens.reshape(-1), prev.reshape(tokens.numel(), -1))
 
     def _zero_drafts(self, buf: _Buffers) -> None:
         """Zero what every MTP forward of the step wrote past its committed rows (drafts and

@@ -51,7 +51,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "tree_grow_k4": ("tree_grow", dict(K=4, BLOCK_KK=16, BLOCK_H=1024), 4, 1),
     "tree_mtp_rows": ("tree_mtp_rows", dict(CATCH_UP=True, R=11, BLOCK_R=16, POS=0, WIN=1, QON=2, QOFF=3,
                                              KEEP=4), 4, 1),
-    "mtp_input_h768": ("mtp_input", dict(BLOCK=1024), 4, 1),  # the gpu preset's hidden size
+    "mtp_input_h768": ("step_mtp_parts", dict(BLOCK=1024), 4, 1),  # the gpu preset's hidden size
     "silu_mul_1024": ("silu_mul", dict(BLOCK=1024), 4, 1),
     "add_rms_norm_h768": ("add_rms_norm", dict(BLOCK=1024), 4, 1),
     # The tree step's bookkeeping (``engine.kernels.tree_step_io``) at the gpu preset's sizes.
@@ -60,12 +60,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "step_zero_rows": ("step_zero", dict(BLOCK_N=32, BLOCK_D=256), 4, 1),
     "step_advance": ("step_advance", dict(D=6, BLOCK_C=16, BLOCK=1024), 4, 1),
     "step_write_outputs": ("step_write", dict(P=7, BLOCK_P=8, BLOCK_H=1024), 4, 1),
-    "step_mtp_input_parts_h768": ("step_mtp_parts", dict(BLOCK=1024), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
             "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768",
-            "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs",
-            "step_mtp_input_parts_h768"]
+            "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs"]
 # Variants allowed a few spilled bytes: the R=256 default tile spills 584 bytes at 4 warps with
 # rows packed token x 12 heads (its float32 accumulator and bfloat16 queries take 192 of 255
 # registers) and 340 with each token's heads padded to 16 rows (the small grids' layout); it was
@@ -115,7 +113,6 @@ def compile_variant(name: str) -> dict[str, Any]:
         _mtp_input_kernel,
         _silu_mul_kernel,
     )
-    from engine.kernels.mtp_input_parts import _mtp_input_parts_kernel
     from engine.kernels.mtp_rows import _mtp_rows_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
@@ -132,11 +129,11 @@ def compile_variant(name: str) -> dict[str, Any]:
     fn = {"attention": _tree_mla_fwd_kernel, "combine": _combine_splits_kernel,
           "compaction": _compact_and_zero_kernel, "tree_rank": _rank_kernel,
           "tree_tables": _tables_kernel, "tree_grow": _grow_kernel, "tree_mtp_rows": _mtp_rows_kernel,
-          "mtp_input": _mtp_input_kernel, "silu_mul": _silu_mul_kernel,
+          "silu_mul": _silu_mul_kernel,
           "add_rms_norm": _add_rms_norm_kernel, "step_start": _step_start_kernel,
           "step_verify": _verify_inputs_kernel,
           "step_zero": _zero_cache_rows_kernel, "step_advance": _advance_kernel,
-          "step_write": _write_outputs_kernel, "step_mtp_parts": _mtp_input_parts_kernel}[kind]  # fmt: skip
+          "step_write": _write_outputs_kernel, "step_mtp_parts": _mtp_input_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {"BLOCK_R": 512, "BLOCK_P": 64, **consts,

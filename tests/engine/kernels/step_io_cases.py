@@ -193,7 +193,7 @@ def check_mtp_input_parts(device: str) -> tuple[float, float]:
     """MTP input rows read from their parts (a repeated row, strided views, one to three parts)
     against the fused kernel's reference on the concatenated rows: norms and concatenation as
     ``MTPLayer.fuse_inputs`` computes them (float32)."""
-    from engine.kernels.mtp_input_parts import mtp_input_parts
+    from engine.kernels.fused_layers import mtp_input_parts
 
     gen = torch.Generator().manual_seed(61)
     B, H, V, C, K = 3, 80, 50, 5, 4
