@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     off = sub.add_parser("offline", help="engine sweep: modes x batch sizes x temperatures")
     _add_common(off)
     off.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    off.add_argument("--check-dtype", default=None, help="dtype of the greedy check before timing (default: float32)")
+    off.add_argument("--check-dtype", default=None, help="dtype of the greedy check before timing (default: float32 on a GPU); 'none' skips it, for a timing run whose check already passed in an earlier run")
     off.add_argument("--batch-sizes", type=_ints, default=None,
                      help="comma list (default CPU 1,2,4,...,64; GPU 1,2,4,...,256)")
     off.add_argument("--temperatures", type=_floats, default=[0.0, 0.7])

@@ -123,6 +123,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
             out += [f"Timing ran in {s.get('dtype')}: there, verify and decode forwards round "
                     "differently, so the column 'greedy = ar' of timed runs is information; the "
                     "lossless check is this one.", ""]
+        if doc.get("check_dtype") == "none":
+            out += ["Skipped on request (--check-dtype none): this run's greedy outputs were not "
+                    "checked against ar before timing.", ""]
         for label, res in doc.get("check", {}).items():
             from bench.check import describe
 

@@ -27,6 +27,8 @@
 # default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
 # STEP_PROFILE (set: after the trace, the batch-1 tree and autoregressive steps' kernels in order,
 # scripts/spec_step_profile.py on random weights, into RESULTS_DIR/step-profile.txt),
+# CHECK_DTYPE (default float32: the dtype of the greedy check before timing; "none" skips it,
+# ~160 s with the float32 engines' build, for a timing run of a commit already checked),
 # SWEEP_MARGIN_S (default 120: seconds past the sweep's limit before a stalled sweep is stopped
 # with SIGABRT and a stack dump),
 # MTPSERVE_COMMIT (recorded as the commit; set it where the copy has no .git or a stale one, as
@@ -82,7 +84,7 @@ fi
 # stack (PYTHONFAULTHANDLER), and the script goes on.
 PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
 "$PY" -m engine bench offline --model "$MODEL" --device cuda --dtype bfloat16 \
-    --check-dtype float32 --check-batch 8 \
+    --check-dtype "${CHECK_DTYPE:-float32}" --check-batch 8 \
     --batch-sizes "${BATCH_SIZES:-1,4,16,64,256}" --temperatures "${TEMPERATURES:-0,0.7}" \
     --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
