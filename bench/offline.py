@@ -28,6 +28,7 @@ from bench.meta import run_metadata
 from bench.modes import build_modes
 from bench.prompts import batch_of, load_prompts
 from bench.records import add_costs, add_speedups, calibration_rows, empty_record, make_record
+from bench.stall_probe import StallProbe, stall_text
 from engine.model.loader import parse_dtype
 
 
@@ -120,15 +121,19 @@ def rounds_at(s: OfflineSettings, bs: int) -> int:
 def _time_point(
     s: OfflineSettings, contenders: list[Contender], skipped: dict[str, str],
     pool: list[list[int]], bs: int, temperature: float, deadline: float | None, bar: tqdm,
+    probe: StallProbe,
 ) -> list[dict[str, Any]]:
     """Records of one (temperature, batch size) point: a warm-up round, then timed rounds in
     which the modes alternate. Each timed round takes the next ``bs`` prompts of the pool (all
     modes of a round the same ones), so small batches see several prompts, not one. Past
     ``deadline`` no further run starts; only complete rounds count, and a mode left without
-    one is recorded as skipped."""
+    one is recorded as skipped. Each run's stall counters (``StallProbe``: collections, Triton
+    builds, device allocations during it) go into the record: ``warmup_stalls``, and
+    ``stalls`` with one entry per timed round."""
     late = f"time limit of {s.time_limit_s or 0:.0f} s reached"
     records: list[dict[str, Any]] = []
     runs: dict[str, list[BatchRun]] = {}
+    stalls: dict[str, list[dict[str, Any]]] = {}  # per mode: the warm-up's, then each round's
     active = []
     for c in contenders:
         reason = c.skip_reason(bs) or skipped.get(c.mode.label)
@@ -137,6 +142,7 @@ def _time_point(
         else:
             active.append(c)
             runs[c.mode.label] = []
+            stalls[c.mode.label] = []
     rounds = 0
     for rep in range(-1, rounds_at(s, bs)):  # round -1: warm-up
         bar.set_postfix_str(f"T={temperature} bs={bs}" + (" warm-up" if rep < 0 else ""))
@@ -150,6 +156,7 @@ def _time_point(
             if deadline is not None and time.monotonic() > deadline:
                 break
             tokens = (s.warmup_tokens or s.max_new_tokens) if rep < 0 else s.max_new_tokens
+            before = probe.snapshot()
             try:
                 run = c.run(prompts, tokens, temperature, seed=s.seed + max(rep, 0))
             except Exception as exc:  # a mode that breaks mid-sweep is reported, not fatal
@@ -159,6 +166,7 @@ def _time_point(
                 records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature,
                                             skipped[c.mode.label]))
                 continue
+            stalls[c.mode.label].append(probe.since(before))
             if rep >= 0:
                 runs[c.mode.label].append(run)
         else:
@@ -173,6 +181,7 @@ def _time_point(
             records.append(empty_record(c.mode.mode, c.mode.label, bs, temperature, late))
             continue
         rec = make_record(c.mode.mode, c.mode.label, bs, temperature, done)
+        rec["warmup_stalls"], rec["stalls"] = stalls[c.mode.label][0], stalls[c.mode.label][1 : rounds + 1]
         if ar_runs:
             add_speedups(rec, done, ar_runs)
             if temperature == 0.0:
@@ -230,17 +239,18 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     points = [(t, b) for t in s.temperatures for b in s.batch_sizes]
     bar = tqdm(total=sum(rounds_at(s, b) for _, b in points), disable=not progress, desc="offline", unit="round")
     deadline = None if s.time_limit_s is None else t_start + s.time_limit_s
-    for temperature, bs in points:
-        recs = _time_point(s, contenders, skipped, prompts, bs, temperature, deadline, bar)
-        for rec in recs:
-            c = next((c for c in contenders if c.mode.label == rec["label"]), None)
-            if rec["greedy_match"] is False and strict and c is not None and c.engine is not None:
-                ok = False
-            if rates is not None and c is not None and not rec["skipped"]:
-                _floor_fields(c, rec, base.model, rates, s, dtype_bytes)
-            if not rec["skipped"]:
-                _log(_one_line(rec))
-        records += recs
+    with StallProbe(s.device) as probe:
+        for temperature, bs in points:
+            recs = _time_point(s, contenders, skipped, prompts, bs, temperature, deadline, bar, probe)
+            for rec in recs:
+                c = next((c for c in contenders if c.mode.label == rec["label"]), None)
+                if rec["greedy_match"] is False and strict and c is not None and c.engine is not None:
+                    ok = False
+                if rates is not None and c is not None and not rec["skipped"]:
+                    _floor_fields(c, rec, base.model, rates, s, dtype_bytes)
+                if not rec["skipped"]:
+                    _log(_one_line(rec))
+            records += recs
     bar.close()
     if s.price_per_hour is not None:
         add_costs(records, s.price_per_hour)
@@ -278,4 +288,5 @@ def _one_line(rec: dict[str, Any]) -> str:
             f"acc_len={f(rec['mean_accepted_length'], '.2f')} "
             f"speedup={f(rec['speedup_vs_ar'], '.2f')} rollback={f(rec['rollback_ms_per_step'], '.3f')}ms"
             + (f" step/floor={rec['step_over_floor']:.1f}" if rec.get("step_over_floor") else "")
-            + (f" arms={rec['steps_per_arm']}" if rec.get("steps_per_arm") else ""))
+            + (f" arms={rec['steps_per_arm']}" if rec.get("steps_per_arm") else "")
+            + (f" stalls=[{stalls}]" if (stalls := stall_text(rec)) else ""))

@@ -22,6 +22,7 @@ FIELDS = (
     "acceptance_per_position", "draft_tokens_per_step", "speedup_vs_ar", "speedup_vs_ar_min",
     "speedup_vs_ar_max", "greedy_match", "repeats", "output_tokens", "floor", "step_over_floor",
     "cost_per_million_tokens", "saving_vs_ar", "steps_per_arm", "arm_costs", "skipped",
+    "stalls", "warmup_stalls",
 )
 
 

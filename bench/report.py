@@ -82,6 +82,21 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def stall_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """The runs during which something that can stall a step happened (``bench.stall_probe``)."""
+    from bench.stall_probe import stall_text
+
+    rows = [(r, text) for r in runs if (text := stall_text(r))]
+    if not rows:
+        return []
+    lines = ["Stall counters per run (garbage collections: count/pause; Triton kernel variants "
+             "built or loaded: count/time; CUDA device allocations and their retries), warm-up "
+             "first, then each timed round:", ""]
+    for r, text in sorted(rows, key=lambda rt: (rt[0]["temperature"], rt[0]["batch_size"], rt[0]["label"])):
+        lines.append(f"- T={_f(r['temperature'], 'g')} batch {r['batch_size']} {r['label']}: {text}")
+    return lines
+
+
 def serve_table(serve: dict[str, Any]) -> list[str]:
     st = serve["settings"]
     lines = [f"Load: {st.get('load')}, {st.get('duration_s')} s per setting, max_tokens "
@@ -155,6 +170,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
         adaptive = adaptive_table(runs)
         if adaptive:
             out += [""] + adaptive
+        stalls = stall_lines(runs)
+        if stalls:
+            out += [""] + stalls
         skipped = sorted({(r["label"], r["skipped"]) for r in runs if r["skipped"]})
         if skipped:
             out += ["", "Points not run:", ""] + [f"- {label}: {why}" for label, why in skipped]

@@ -7,6 +7,9 @@ Prints each round's speedup and, per adaptive decode step, the budget chosen, th
 rows the MTP modules were behind and the step's milliseconds (``L``: behind); then the
 baseline's steps of the same round (batch:ms), to compare step by step. A step that only
 prefills shows as ``P<n>:ms`` (``+cu<k>``: the MTP modules were caught up over k prompts in it).
+A step during which a garbage collection ran, a Triton kernel variant was built or loaded, or the
+CUDA allocator allocated device memory carries it in brackets (``bench.stall_probe``), e.g.
+``P64+cu64:95.0[triton 3/80.1ms]``.
 With ``--cprofile-batch B`` the adaptive engine's last round at batch B runs under cProfile and
 the host functions taking the most time follow its trace.
 
@@ -28,11 +31,12 @@ import torch
 from bench.contenders import load_base
 from bench.engine_run import run_batch, synchronize
 from bench.prompts import load_prompts
+from bench.stall_probe import StallProbe, describe
 from engine import LLMEngine, SamplingParams, SpecConfig
 from engine.spec.adaptive import budget_label
 
 
-def _traced(eng: LLMEngine, trace: list[str]) -> None:
+def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
     """Wrap ``eng.step`` to append one entry per decode step: budget:batch:lag:ms."""
     choose, step = eng._choose_budget, eng.step
     last: list[tuple[str, int, int]] = []
@@ -56,35 +60,44 @@ def _traced(eng: LLMEngine, trace: list[str]) -> None:
     def step_traced():  # type: ignore[no-untyped-def]
         last.clear()
         caught_up.clear()
+        before = probe.snapshot()
         start = time.perf_counter()
         outs = step()
         synchronize(eng.device)
         ms = (time.perf_counter() - start) * 1e3
+        stalls = _stalls(probe, before)
         if last:
             label, batch, lag = last[0]
-            trace.append(f"{label}{'L' if lag else ''}:{batch}:{ms:.1f}")
+            trace.append(f"{label}{'L' if lag else ''}:{batch}:{ms:.1f}{stalls}")
         elif outs:  # a prefill alone: its first tokens (and a catch-up over its prompts, if any)
-            trace.append(f"P{len(outs)}{f'+cu{sum(caught_up)}' if caught_up else ''}:{ms:.1f}")
+            trace.append(f"P{len(outs)}{f'+cu{sum(caught_up)}' if caught_up else ''}:{ms:.1f}{stalls}")
         return outs
 
     eng._choose_budget = choose_traced  # type: ignore[method-assign]
     eng.step = step_traced  # type: ignore[method-assign]
 
 
-def _timed(eng: LLMEngine, trace: list[str]) -> None:
+def _stalls(probe: StallProbe, before: dict[str, object]) -> str:
+    text = describe(probe.since(before))
+    return f"[{text}]" if text else ""
+
+
+def _timed(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
     """Wrap ``eng.step`` to append batch:ms per step that decoded."""
     step = eng.step
 
     def step_timed():  # type: ignore[no-untyped-def]
+        before = probe.snapshot()
         start = time.perf_counter()
         outs = step()
         synchronize(eng.device)
         decoded = [o for o in outs if o.step_drafted is not None]
         ms = (time.perf_counter() - start) * 1e3
+        stalls = _stalls(probe, before)
         if decoded:
-            trace.append(f"{len(decoded)}:{ms:.1f}")
+            trace.append(f"{len(decoded)}:{ms:.1f}{stalls}")
         elif outs:  # a prefill alone
-            trace.append(f"P{len(outs)}:{ms:.1f}")
+            trace.append(f"P{len(outs)}:{ms:.1f}{stalls}")
         return outs
 
     eng.step = step_timed  # type: ignore[method-assign]
@@ -114,8 +127,9 @@ def main() -> None:
     print(f"model {args.model} on {args.device} ({dtype}), prompts {source}")
     trace: list[str] = []
     base_trace: list[str] = []
-    _traced(adaptive, trace)
-    _timed(base, base_trace)
+    probe = StallProbe(args.device).install()
+    _traced(adaptive, trace, probe)
+    _timed(base, base_trace, probe)
     gc.collect()
     gc.freeze()
     for temperature in (float(t) for t in args.temperatures.split(",")):

@@ -123,3 +123,24 @@ def test_report_shows_the_start_up_calibration(offline_result: tuple[int, dict, 
     assert "adaptive: start-up calibration" in md
     assert "| T | batch | none | chain-4 |" in md
     assert "| 0 | 256 | 307.20 (256) | 384.00 (1280) |" in md
+
+
+def test_runs_carry_their_stall_counters(offline_result: tuple[int, dict, Path]) -> None:
+    """Every timed record has the warm-up's counters and one entry per timed round (dicts of the
+    non-zero counters: ``bench.stall_probe``)."""
+    _, doc, _ = offline_result
+    for r in (r for r in doc["runs"] if not r["skipped"]):
+        assert isinstance(r["warmup_stalls"], dict), r["label"]
+        assert len(r["stalls"]) == r["repeats"] and all(isinstance(d, dict) for d in r["stalls"])
+
+
+def test_check_dtype_none_skips_the_check_and_says_so(dense_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "nocheck.json"
+    rc = main(["offline", "--model", str(dense_model_dir), "--device", "cpu", "--out", str(out),
+               "--batch-sizes", "1", "--temperatures", "0", "--max-new-tokens", "4",
+               "--prompt-tokens", "8", "--repeats", "1", "--min-sequences", "1", "--warmup-tokens", "2",
+               "--modes", "chain", "--tree-budgets", "3", "--check-dtype", "none", "--no-progress"])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["check"] == {} and doc["check_dtype"] == "none"
+    assert {r["label"] for r in doc["runs"] if not r["skipped"]} == {"ar", "chain"}
+    assert "Skipped on request (--check-dtype none)" in out.with_suffix(".md").read_text()
