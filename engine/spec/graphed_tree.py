@@ -138,25 +138,10 @@ class _RowPlan:
     def ctx(self, L: Tensor, c: Tensor) -> Tensor:  # [B] committed module entries
         return L - c + self.ctx_offset if self.catch_up else L + self.ctx_offset
 
-    def inputs(self, L: Tensor, c: Tensor, window: Tensor, trash: int, zero_out: Tensor) -> _RowInputs:
-        """This forward's attention inputs for sequences at ``L`` with ``c`` catch-up rows
-        (``window`` [B, W]: the flat slots of the step's positions window) and the slots to
-        zero after it, written into ``zero_out`` [B * R] too (the step zeroes every depth's at
-        once). On CUDA with Triton one fused kernel (``engine.kernels.mtp_rows``)."""
-        if window.is_cuda and triton_available():
-            from engine.kernels.mtp_rows import mtp_rows_triton
-
-            fused = run_kernel("mtp_rows", lambda: mtp_rows_triton(
-                L, c, window, self.meta, self.mask, trash, self.ctx_offset, self.catch_up,
-                (_POS, _WIN, _QON, _QOFF, _KEEP), zero_out))  # fmt: skip
-            if fused is not None:
-                return _RowInputs(*fused)
-        rows = self.inputs_torch(L, c, window, trash)
-        zero_out.copy_(rows.zero)
-        return rows
-
     def inputs_torch(self, L: Tensor, c: Tensor, window: Tensor, trash: int) -> _RowInputs:
-        """``inputs`` as torch ops (the reference of the fused kernel)."""
+        """This forward's attention inputs for sequences at ``L`` with ``c`` catch-up rows
+        (``window`` [B, W]: the flat slots of the step's positions window), and the slots to
+        zero after it: the reference of the fused kernel (``GraphedTreeStep._row_inputs``)."""
         B, R = window.shape[0], self.rows
         meta = self.meta.index_select(0, c)  # [B, R, 5] this step's row layout
         ctx = self.ctx(L, c)  # [B]
@@ -387,6 +372,12 @@ class GraphedTreeStep:
             scratch_slots.repeat(cache.shape[0]),
         )  # ([layers * slots] layer, [layers * slots] slot)
         self.fused_io = self.device.type == "cuda" and triton_available() if self.FUSED_IO is None else self.FUSED_IO
+        self.row_tables: tuple[Tensor, Tensor, Tensor] | None = None
+        if self.fused_io:  # every depth's row tables packed for one kernel (``_row_inputs``)
+            from engine.kernels.mtp_rows import pack_row_tables
+
+            self.row_tables = pack_row_tables([p.meta for p in self.plans], [p.mask for p in self.plans],
+                                              [p.ctx_offset for p in self.plans], [p.catch_up for p in self.plans])
         # live_rows[b][n]: the live mask of bucket b with n real sequences [b] bool.
         self.live_rows = {b: torch.arange(b, device=self.device)[None] < torch.arange(b + 1, device=self.device)[:, None]
                           for b in self.buckets}  # fmt: skip
@@ -735,13 +726,11 @@ class GraphedTreeStep:
         self,
         buf: _Buffers,
         plan: _RowPlan,
-        window: Tensor,  # [B, W] flat slots of positions L - k - C + 1 + w (see _RowPlan)
+        rows: _RowInputs,  # this forward's attention inputs (``_row_inputs``)
         tok_parts: list[Tensor],  # [B, r_i] the rows' tokens, in parts (sum r_i = R)
         prev_parts: list[Tensor],  # [B, r_i, H] the previous depth's hidden of each row, in parts
-        zero_out: Tensor,  # [B * R] where the forward's slots to zero go (``_zero_drafts``)
     ) -> Tensor:  # [B, R, H]
         B, R = buf.bucket, plan.rows
-        rows = plan.inputs(buf.L, buf.c, window, self.trash_slot, zero_out)
         batch = AttentionBatch(
             positions=rows.positions,
             slot_mapping=rows.slots,
@@ -757,6 +746,31 @@ class GraphedTreeStep:
         )  # [B * R, H]
         hidden = self.model.forward_mtp_fused(plan.module, fused, batch, self.pool.kv_cache)
         return hidden.view(B, R, -1)
+
+    def _row_inputs(self, buf: _Buffers, window: Tensor) -> list[_RowInputs]:
+        """Every drafting depth's attention inputs (``_RowPlan.inputs_torch``), at the step's
+        start: they depend only on ``L``, ``c`` and the slot window. Their slots to zero go to
+        ``buf.draft_zero`` (``_zero_drafts``). One kernel on CUDA (``engine.kernels.mtp_rows``)."""
+        B = buf.bucket
+        if self.row_tables is not None:
+            from engine.kernels.mtp_rows import mtp_rows_triton
+
+            rows, tables = [p.rows for p in self.plans], self.row_tables
+            fused = run_kernel("mtp_rows", lambda: mtp_rows_triton(
+                buf.L, buf.c, window, *tables, rows, self.trash_slot,
+                (_POS, _WIN, _QON, _QOFF, _KEEP), buf.draft_zero))  # fmt: skip
+            if fused is not None:
+                pos, slots, ctx, masks, qctx, zero = fused
+                flat = [part.split([B * r for r in rows]) for part in (pos, slots, qctx, zero)]
+                new_masks = masks.split([B * r * r for r in rows])
+                return [_RowInputs(flat[0][i], flat[1][i], ctx[i], new_masks[i].view(B * r, r), flat[2][i],
+                                   flat[3][i]) for i, r in enumerate(rows)]  # fmt: skip
+        out = []
+        for plan, zero_out in zip(self.plans, buf.draft_zero_parts, strict=True):
+            inputs = plan.inputs_torch(buf.L, buf.c, window, self.trash_slot)
+            zero_out.copy_(inputs.zero)
+            out.append(inputs)
+        return out
 
     def _zero_drafts(self, buf: _Buffers) -> None:
         """Zero what every MTP forward of the step wrote past its committed rows (drafts and
@@ -777,6 +791,7 @@ class GraphedTreeStep:
     def _draft_verify_accept(self, buf: _Buffers) -> None:
         B, C, D, N, k, H = buf.bucket, self.C, self.D, self.N, self.k, self.hidden_size
         window, last_row_index, self._root = self._step_start(buf)  # [B, W], [B], [B]
+        row_inputs = self._row_inputs(buf, window)  # every depth's, at once
         last = last_row_index[:, None, None].expand(B, 1, H)  # gather index of row c-1
         front_tok = front_prev = None
         catch_prev = [buf.rows0]  # the catch-up rows' previous-depth hidden states, in parts
@@ -789,7 +804,7 @@ class GraphedTreeStep:
                 assert front_tok is not None and front_prev is not None
                 tok_parts.append(front_tok)
                 prev_parts.append(front_prev)
-            out = self._mtp_forward(buf, plan, window, tok_parts, prev_parts, buf.draft_zero_parts[m - 1])
+            out = self._mtp_forward(buf, plan, row_inputs[m - 1], tok_parts, prev_parts)
             if plan.catch_up and m < k:  # module m+1's catch-up rows: the carried row, then these
                 # The last catch-up row (hidden at index L - m), written where the next step's
                 # carry is read from (it is an output: nothing reads it during the step).

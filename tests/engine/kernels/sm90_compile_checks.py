@@ -49,8 +49,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "tree_tables_32": ("tree_tables", dict(N=32, DEPTH=6, BLOCK_N=64), 8, 1),
     "tree_tables_64": ("tree_tables", dict(N=64, DEPTH=6, BLOCK_N=128), 8, 1),
     "tree_grow_k4": ("tree_grow", dict(K=4, BLOCK_KK=16, BLOCK_H=1024), 4, 1),
-    "tree_mtp_rows": ("tree_mtp_rows", dict(CATCH_UP=True, R=11, BLOCK_R=16, POS=0, WIN=1, QON=2, QOFF=3,
-                                             KEEP=4), 4, 1),
+    "tree_mtp_rows": ("tree_mtp_rows", dict(BLOCK_R=16, POS=0, WIN=1, QON=2, QOFF=3, KEEP=4), 4, 1),
     "mtp_input_h768": ("step_mtp_parts", dict(BLOCK=1024), 4, 1),  # the gpu preset's hidden size
     "silu_mul_1024": ("silu_mul", dict(BLOCK=1024), 4, 1),
     "add_rms_norm_h768": ("add_rms_norm", dict(BLOCK=1024), 4, 1),

@@ -27,7 +27,8 @@ CASE_NAMES = [f"attention/{k}" for k in ATTENTION_CASES] + [
 ] + [f"{kind}/{k}" for kind in ("rms_norm", "rope_latent", "mtp_input", "silu_mul", "add_rms_norm") for k in INTERPRETED_FUSED] + [
     "accept/greedy_random_trees", "accept/logprob_topk", "accept/sampled_random_trees",
     "tree/grow_frontier", "tree/select", "tree/mtp_rows", "tree/commit_kv",
-]
+] + [f"step_io/{k}" for k in ("step_start", "verify_inputs", "zero_cache_rows", "advance", "write_outputs",
+                              "mtp_input_parts", "engine_greedy")]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
