@@ -31,6 +31,13 @@
 # ~160 s with the float32 engines' build, for a timing run of a commit already checked),
 # SWEEP_MARGIN_S (default 120: seconds past the sweep's limit before a stalled sweep is stopped
 # with SIGABRT and a stack dump),
+# TRITON_CACHE_TAR (a .tar.gz of a Triton cache from an earlier call, a path from the repository
+# root, e.g. triton-cache.tar.gz, which git ignores so that the device tool can carry it:
+# unpacked into the cache this run uses (scripts/triton_cache.sh), so the engines' Triton
+# kernels load instead of compiling; ~90 s of the bf16 engines' build on a fresh machine),
+# SAVE_TRITON_CACHE (set: this run's Triton cache is packed into RESULTS_DIR/triton-cache.tar.gz
+# when it packs to at most TRITON_CACHE_MAX_MB, default 8: the device tool carries 64 MiB with
+# the repository; one more file among the 8 it brings back),
 # MTPSERVE_COMMIT (recorded as the commit; set it where the copy has no .git or a stale one, as
 # on the device tool's machines, whose .git is not the checkout's).
 set -euo pipefail
@@ -45,6 +52,10 @@ END_S=${END_S:-585}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true PYTHONPATH=${PYTHONPATH:-.}
 exec > >(tee -a "$OUT/gpu_bench.log") 2>&1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton-cache}
+if [ -n "${TRITON_CACHE_TAR:-}" ]; then
+    scripts/triton_cache.sh unpack "$TRITON_CACHE_TAR"
+fi
 
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "transformers", transformers.__version__)'
 
@@ -136,6 +147,9 @@ if [ "$LEFT" -gt "${VALIDATE_MIN_S:-150}" ]; then
     timeout "$LEFT" "$PY" scripts/validate_simulator.py --model "$MODEL" --device cuda \
         --dtype bfloat16 --prompts "${VALIDATE_PROMPTS:-8}" --max-tokens 64 --out "$OUT/simulator-validation-h200.json" \
         || echo "== simulator validation exited with status $?"
+fi
+if [ -n "${SAVE_TRITON_CACHE:-}" ]; then
+    scripts/triton_cache.sh pack "$OUT/triton-cache.tar.gz" || true
 fi
 echo "== done in $(( $(date +%s) - START )) s"
 ls -la "$OUT"
