@@ -56,3 +56,9 @@ def test_kernel_matches_reference_under_interpreter(
     result = interpreter_results[name]
     assert "error" not in result, result.get("error")
     assert result["err"] <= result["tol"], result
+
+
+def test_every_interpreted_case_is_asserted(interpreter_results: dict[str, dict]) -> None:
+    """A case added to ``interpret_checks.run_all`` but not to ``CASE_NAMES`` would run in CI
+    with nobody reading its result (session 22's step kernels did, until session 23)."""
+    assert set(interpreter_results) == set(CASE_NAMES)
