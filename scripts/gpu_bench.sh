@@ -16,7 +16,10 @@
 # 200), DEADLINE_S (default 560: seconds from start by which the sweep must end; the tree
 # engine's Triton kernels take 25-60 s to compile on a fresh machine),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
-# BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MIN_SEQUENCES, MODES (override the sweep), VALIDATE_PROMPTS
+# BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MIN_SEQUENCES, MODES (override the sweep),
+# WARMUP_TOKENS (default MAX_NEW_TOKENS: the warm-up round does the timed rounds' work, so a code
+# path first taken late in a request, such as a catch-up, is not first used in a timed round;
+# 16 until session 23), VALIDATE_PROMPTS
 # (default 8: prompts of the simulator validation), TRACE_BATCHES (e.g. 4,16,64: then
 # scripts/adaptive_trace.py runs after the sweep, at most TRACE_S seconds (default 90), into
 # adaptive-trace.txt, before the validation takes the time left; TRACE_ARGS are passed on,
@@ -100,7 +103,7 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" \
-    --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens 16 \
+    --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
 LEFT=$(( END_S - ($(date +%s) - START) ))
