@@ -134,13 +134,13 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
                 f"after its first token; wall time {doc.get('wall_s')} s",
                 ""]
         out += [f"## Correctness (greedy, before timing, {doc.get('check_dtype')})", ""]
-        if doc.get("greedy_match_strict") is False:
-            out += [f"Timing ran in {s.get('dtype')}: there, verify and decode forwards round "
-                    "differently, so the column 'greedy = ar' of timed runs is information; the "
-                    "lossless check is this one.", ""]
         if doc.get("check_dtype") == "none":
             out += ["Skipped on request (--check-dtype none): this run's greedy outputs were not "
                     "checked against ar before timing.", ""]
+        elif doc.get("greedy_match_strict") is False:
+            out += [f"Timing ran in {s.get('dtype')}: there, verify and decode forwards round "
+                    "differently, so the column 'greedy = ar' of timed runs is information; the "
+                    "lossless check is this one.", ""]
         for label, res in doc.get("check", {}).items():
             from bench.check import describe
 

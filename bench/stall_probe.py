@@ -30,9 +30,8 @@ class StallProbe:
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
         self.gc_pauses_ms: list[float] = []  # every collection's pause, in order
-        self.triton_builds = 0
         self.triton_ms = 0.0
-        self.triton_names: list[str] = []  # every variant built, in order
+        self.triton_names: list[str] = []  # the kernel of every variant built, in order
         self._gc_start: float | None = None
         self._triton_start: list[float] = []
         self._knobs: Any = None
@@ -81,7 +80,6 @@ class StallProbe:
         def after_build(**kwargs: Any) -> Any:
             if self._triton_start:  # (an asynchronous build ends out of order: not timed)
                 self.triton_ms += (time.perf_counter() - self._triton_start.pop()) * 1e3
-            self.triton_builds += 1
             fn = kwargs.get("fn")
             self.triton_names.append(str(getattr(fn, "name", fn)))
             return prev_post(**kwargs) if prev_post is not None else None
@@ -109,8 +107,7 @@ class StallProbe:
         allocs, retries = self._allocator()
         return {
             "gc_collections": len(self.gc_pauses_ms),
-            "triton_builds": self.triton_builds, "triton_ms": self.triton_ms,
-            "triton_names": len(self.triton_names),
+            "triton_builds": len(self.triton_names), "triton_ms": self.triton_ms,
             "device_allocs": allocs, "alloc_retries": retries,
         }
 
@@ -126,7 +123,7 @@ class StallProbe:
         if pauses:
             out["gc_ms"], out["gc_max_ms"] = round(sum(pauses), 2), round(max(pauses), 2)
         if "triton_builds" in out:
-            out["triton_kernels"] = sorted(set(self.triton_names[earlier["triton_names"]:]))[:MAX_NAMES]
+            out["triton_kernels"] = sorted(set(self.triton_names[earlier["triton_builds"]:]))[:MAX_NAMES]
         return out
 
 
