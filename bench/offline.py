@@ -24,6 +24,7 @@ from bench.check import compare_tokens, describe
 from bench.contenders import Contender, build_contenders, load_base
 from bench.engine_run import BatchRun
 from bench.floor import measure_rates, step_floor
+from bench.gpu_clock import max_sm_clock_mhz, sm_clock_mhz, spin
 from bench.meta import run_metadata
 from bench.modes import build_modes
 from bench.prompts import batch_of, load_prompts
@@ -58,6 +59,9 @@ class OfflineSettings:
     time_limit_s: float | None = None
     price_per_hour: float | None = None
     seed: int = 1000
+    # Milliseconds of matrix products on the GPU right before every run (warm-up included), so
+    # that each begins at the boost clock a GPU under load keeps (``bench.gpu_clock``); 0: none.
+    spin_ms: float = 0.0
     # Once the timed engines are built, keep the cyclic GC off every object alive (as the server
     # does): for a process that runs one sweep (the CLI), not for a test session.
     freeze_gc: bool = False
@@ -156,6 +160,7 @@ def _time_point(
             if deadline is not None and time.monotonic() > deadline:
                 break
             tokens = (s.warmup_tokens or s.max_new_tokens) if rep < 0 else s.max_new_tokens
+            spin(torch.device(s.device), s.spin_ms)
             before = probe.snapshot()
             try:
                 run = c.run(prompts, tokens, temperature, seed=s.seed + max(rep, 0))
@@ -233,6 +238,10 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     # the timed runs' agreement is recorded for information.
     strict = parse_dtype(s.dtype) == torch.float32
     rates = measure_rates(s.device) if s.device.startswith("cuda") else None
+    if rates is not None:
+        device = torch.device(s.device)
+        _log(f"SM clock {sm_clock_mhz(device)} MHz (maximum {max_sm_clock_mhz(device.index or 0)}) "
+             f"after the rates' measurement; {s.spin_ms:g} ms of spin before every run")
     dtype_bytes = parse_dtype(s.dtype).itemsize
     records: list[dict[str, Any]] = []
     # All batch sizes of one temperature first: a time limit then cuts the sampled tail.

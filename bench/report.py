@@ -129,7 +129,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
         out += [f"- prompts: {doc.get('num_prompts')} × {s.get('prompt_tokens')} tokens, "
                 f"**{doc.get('prompts')}**; {s.get('max_new_tokens')} new tokens (EOS ignored); "
                 f"dtype {s.get('dtype')}; {s.get('repeats')} timed repeats after a warm-up, "
-                "median (min–max); modes alternate within each round",
+                "median (min–max); modes alternate within each round"
+                + (f"; each run after {s['spin_ms']:g} ms of GPU matrix products (boost clock)"
+                   if s.get("spin_ms") else ""),
                 f"- speedup vs ar is paired per round; tokens/s counts prefill; TPOT is per sequence "
                 f"after its first token; wall time {doc.get('wall_s')} s",
                 ""]

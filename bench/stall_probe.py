@@ -9,7 +9,10 @@ Three suspects, each counted for the whole process while the probe is installed:
   which takes tens of milliseconds even when the cache is warm;
 - **device allocations of the CUDA caching allocator** (``torch.cuda.memory_stats``): a
   ``cudaMalloc`` and, where memory ran short, a retry that frees cached blocks first (it
-  synchronizes the device).
+  synchronizes the device);
+- **a GPU below its boost clock** (``bench.gpu_clock``): the SM clock when the run began and
+  when it ended, recorded where it was under 90% of the maximum (an idle H200 sits at 345 of
+  1980 MHz, and a run begun there starts slow).
 
 ``snapshot()`` returns the running totals; ``since(earlier)`` the part of them after an earlier
 snapshot, with the zero counters left out, so an uneventful run records ``{}``.
@@ -22,6 +25,8 @@ import time
 from typing import Any
 
 import torch
+
+from bench.gpu_clock import below_boost, sm_clock_mhz
 
 MAX_NAMES = 8  # kernel names kept per delta (the first ones built)
 
@@ -109,6 +114,7 @@ class StallProbe:
             "gc_collections": len(self.gc_pauses_ms),
             "triton_builds": len(self.triton_names), "triton_ms": self.triton_ms,
             "device_allocs": allocs, "alloc_retries": retries,
+            "sm_mhz": sm_clock_mhz(self.device),
         }
 
     def since(self, earlier: dict[str, Any]) -> dict[str, Any]:
@@ -124,6 +130,9 @@ class StallProbe:
             out["gc_ms"], out["gc_max_ms"] = round(sum(pauses), 2), round(max(pauses), 2)
         if "triton_builds" in out:
             out["triton_kernels"] = sorted(set(self.triton_names[earlier["triton_builds"]:]))[:MAX_NAMES]
+        start, end = earlier.get("sm_mhz"), now["sm_mhz"]
+        if below_boost(self.device, start) or below_boost(self.device, end):
+            out["sm_mhz_start"], out["sm_mhz_end"] = start, end
         return out
 
 
@@ -139,6 +148,8 @@ def describe(delta: dict[str, Any]) -> str:
         parts.append(f"alloc {delta['device_allocs']}")
     if delta.get("alloc_retries"):
         parts.append(f"retry {delta['alloc_retries']}")
+    if "sm_mhz_start" in delta:
+        parts.append(f"clock {delta['sm_mhz_start']}->{delta['sm_mhz_end']}MHz")
     return " ".join(parts)
 
 

@@ -30,6 +30,9 @@
 # default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
 # STEP_PROFILE (set: after the trace, the batch-1 tree and autoregressive steps' kernels in order,
 # scripts/spec_step_profile.py on random weights, into RESULTS_DIR/step-profile.txt),
+# SPIN_MS (default 50: milliseconds of GPU matrix products before every timed run, so that each
+# starts at the boost clock; an idle H200 runs at 345 of 1980 MHz; 0: none; the stall counters
+# record runs begun below 90% of the maximum clock either way),
 # CHECK_DTYPE (default float32: the dtype of the greedy check before timing; "none" skips it,
 # ~160 s with the float32 engines' build, for a timing run of a commit already checked),
 # SWEEP_MARGIN_S (default 120: seconds past the sweep's limit before a stalled sweep is stopped
@@ -104,6 +107,7 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" \
     --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
+    --spin-ms "${SPIN_MS:-50}" \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
 LEFT=$(( END_S - ($(date +%s) - START) ))

@@ -139,8 +139,11 @@ def test_check_dtype_none_skips_the_check_and_says_so(dense_model_dir: Path, tmp
     rc = main(["offline", "--model", str(dense_model_dir), "--device", "cpu", "--out", str(out),
                "--batch-sizes", "1", "--temperatures", "0", "--max-new-tokens", "4",
                "--prompt-tokens", "8", "--repeats", "1", "--min-sequences", "1", "--warmup-tokens", "2",
-               "--modes", "chain", "--tree-budgets", "3", "--check-dtype", "none", "--no-progress"])
+               "--modes", "chain", "--tree-budgets", "3", "--check-dtype", "none", "--no-progress",
+               "--spin-ms", "20"])  # a GPU's spin before each run: a no-op on the CPU, but said
     doc = json.loads(out.read_text())
     assert rc == 0 and doc["check"] == {} and doc["check_dtype"] == "none"
     assert {r["label"] for r in doc["runs"] if not r["skipped"]} == {"ar", "chain"}
-    assert "Skipped on request (--check-dtype none)" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "Skipped on request (--check-dtype none)" in md
+    assert doc["settings"]["spin_ms"] == 20.0 and "each run after 20 ms of GPU matrix products" in md

@@ -54,6 +54,31 @@ def test_triton_builds_are_counted_and_earlier_hooks_still_run() -> None:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = orig
 
 
+def test_a_run_begun_below_the_boost_clock_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML is read through ``bench.gpu_clock``; here its readings are given: 345 MHz at the
+    start of the first run (an idle H200), 1980 (the maximum) around the second."""
+    import bench.gpu_clock
+    import bench.stall_probe
+
+    readings = iter([345, 1900, 1980, 1980])
+    monkeypatch.setattr(bench.stall_probe, "sm_clock_mhz", lambda device: next(readings))
+    monkeypatch.setattr(bench.gpu_clock, "max_sm_clock_mhz", lambda index: 1980)
+    probe = StallProbe("cuda")  # no allocator statistics before CUDA is initialised
+    first = probe.since(probe.snapshot())
+    assert first == {"sm_mhz_start": 345, "sm_mhz_end": 1900}
+    assert describe(first) == "clock 345->1900MHz"
+    assert probe.since(probe.snapshot()) == {}  # at the boost clock: nothing to record
+
+
+def test_no_clock_off_a_gpu_and_the_spin_is_a_no_op_there() -> None:
+    from bench.gpu_clock import below_boost, sm_clock_mhz, spin
+
+    cpu = torch.device("cpu")
+    assert sm_clock_mhz(cpu) is None and not below_boost(cpu, 345)
+    spin(cpu, 50.0)  # returns at once: nothing to keep busy
+    assert StallProbe().snapshot()["sm_mhz"] is None
+
+
 def test_stall_text_of_a_record() -> None:
     assert stall_text({"warmup_stalls": {}, "stalls": [{}, {}]}) == ""
     text = stall_text({"warmup_stalls": {"triton_builds": 3, "triton_ms": 80.0},
@@ -80,3 +105,7 @@ def test_a_real_kernel_build_and_allocation_on_a_gpu() -> None:
         delta = probe.since(before)
     assert delta["triton_builds"] == 1 and delta["triton_kernels"] == ["_probe_fill_kernel"]
     assert delta["device_allocs"] >= 1
+    from bench.gpu_clock import max_sm_clock_mhz, sm_clock_mhz, spin
+
+    spin(torch.device("cuda"), 20.0)
+    assert sm_clock_mhz(torch.device("cuda")) is not None and max_sm_clock_mhz(0) is not None  # NVML reads
