@@ -1,0 +1,242 @@
+"""Measure the tree-MLA attention kernel's launch settings for the shapes an engine captures, and
+write the fastest into the kernel's table (``engine/kernels/attention_tuning.py``). GPU only.
+
+1. builds an adaptive engine over random weights of a training preset (``--max-batch``,
+   default 16), recording every attention call's shape (sequences, query tokens per sequence,
+   per-row contexts or not) while it captures its CUDA graphs;
+2. profiles the batch-1 tree and autoregressive steps (``--profile``; kernels and device time,
+   ``scripts/spec_step_profile.py``) with the kernel's defaults;
+3. for each recorded shape, smallest batches first while ``--budget-s`` lasts: every setting of a
+   grid (tile rows, keys per step, warps, key splits, packed or padded heads) on random inputs
+   of that shape at each of ``--contexts``, checked against the PyTorch reference, then timed as
+   the replay of a CUDA graph of ``CALLS_PER_GRAPH`` calls (as the engine runs it: no launch
+   gaps). A shape's score is its mean over the contexts; the fastest setting is kept where it
+   beats the defaults by ``--min-gain`` (default 3%);
+4. writes the table (``--write``, default the kernel's own table: it replaces the table of
+   this device and these sizes, keeping others) and OUT/attention_tuning.json (every setting's
+   time), then profiles the same steps again on a new engine that captures with the table.
+
+    PYTHONPATH=. python scripts/tune_attention.py OUT [--preset gpu] [--budget-s 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench.gpu_kernels as gk  # noqa: E402
+import engine.kernels.tree_mla_attention as attn  # noqa: E402
+from engine.kernels import attention_tuning  # noqa: E402
+from engine.kernels.attention_tuning import ShapeKey, TunedLaunch  # noqa: E402
+
+CALLS_PER_GRAPH = 20
+BLOCK_MS = (16, 32, 64)
+BLOCK_NS = (16, 32)
+SPLITS = (1, 2, 4, 8)
+
+
+def settings_grid(key: ShapeKey, heads: int) -> Iterator[TunedLaunch]:
+    """Each distinct launch of the grid for ``key`` (tile rows clamp to what a sequence's rows
+    need, so several requested sizes can launch alike: each launch is listed once)."""
+    seen = set()
+    packs = (True,) if heads & (heads - 1) == 0 else (True, False)
+    for pack in packs:
+        stride = heads if pack else 1 << (heads - 1).bit_length()
+        rows = key.max_new * stride
+        for bm in BLOCK_MS:
+            eff = attn._rows_per_tile(bm, rows)
+            for bn in BLOCK_NS:
+                for warps in (4, 8) if eff >= 64 else (4,):
+                    for splits in SPLITS:
+                        launch = TunedLaunch(eff, bn, warps, splits, pack)
+                        if launch not in seen:
+                            seen.add(launch)
+                            yield launch
+
+
+def pick(times: dict[str, float], default_key: str, min_gain: float) -> str:
+    """The fastest setting's key, or ``default_key`` unless another beats it by ``min_gain``."""
+    best = min(times, key=lambda k: times[k])
+    return best if times[best] < (1.0 - min_gain) * times[default_key] else default_key
+
+
+def merge_table(path: Path, table: dict[str, Any]) -> dict[str, Any]:
+    """The document at ``path`` with ``table`` in place of the one for the same device and
+    sizes (others kept)."""
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    ident = ("device", "heads", "rank", "rope")
+    keep = [t for t in doc.get("tables", []) if tuple(t.get(k) for k in ident) != tuple(table[k] for k in ident)]
+    return {"about": "tree-MLA attention launch settings per captured shape (scripts/tune_attention.py)",
+            "tables": keep + [table]}
+
+
+def graph_us(fn: Callable[[], Any]) -> float:
+    """Microseconds per call of ``fn`` replayed ``CALLS_PER_GRAPH`` times in one CUDA graph."""
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    ms = do_bench(graph.replay, warmup=5, rep=30, return_mode="median")
+    return float(ms) * 1e3 / CALLS_PER_GRAPH
+
+
+def inputs_for(key: ShapeKey, ctx: int, heads: int, seed: int, device: str = "cuda") -> dict[str, Any]:
+    inputs = gk.build_attention_inputs(key.num_seqs, key.max_new, ctx, heads, seed=seed, device=device)
+    if key.has_qctx:  # MTP rows: each sees the committed entries up to a few before the end
+        gen = torch.Generator().manual_seed(seed)
+        per_row = inputs["ctx_lens"].cpu().repeat_interleave(key.max_new)  # [N]
+        less = torch.randint(0, 4, per_row.shape, generator=gen, dtype=per_row.dtype)
+        inputs["query_ctx_lens"] = (per_row - less).clamp(min=0).to(torch.int32).to(device)
+    return inputs
+
+
+def tune_shape(key: ShapeKey, heads: int, contexts: list[int], device: str = "cuda") -> dict[str, Any]:
+    """Every setting's mean time over ``contexts`` (µs), wrong or failing ones left out."""
+    per_ctx: dict[str, list[float]] = {}
+    settings = {"default": {}} | {
+        json.dumps(s._asdict()): s._asdict() for s in settings_grid(key, heads)
+    }
+    errors: dict[str, str] = {}
+    for ctx in contexts:
+        inputs = inputs_for(key, ctx, heads, seed=key.num_seqs * 131 + key.max_new + ctx, device=device)
+        ref = gk.attention_reference(**inputs).float()
+        for name, kw in settings.items():
+            if name in errors:
+                continue
+            try:
+                got = attn.tree_mla_attention(**inputs, **kw).float()
+                if not bool(((got - ref).abs() <= 2e-2 + 2e-2 * ref.abs()).all()):
+                    errors[name] = "differs from the reference"
+                    continue
+                per_ctx.setdefault(name, []).append(graph_us(lambda: attn.tree_mla_attention(**inputs, **kw)))
+            except Exception as exc:  # e.g. out of shared memory or registers
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    times = {k: statistics.mean(v) for k, v in per_ctx.items() if len(v) == len(contexts)}
+    return {"times": times, "errors": errors}
+
+
+def record_shapes(preset: str, max_batch: int) -> tuple[Any, Counter[ShapeKey]]:
+    """A random-weight adaptive engine, and the attention shapes it called while capturing."""
+    from spec_step_profile import random_adaptive_engine
+
+    seen: Counter[ShapeKey] = Counter()
+    kernel = attn.tree_mla_attention
+
+    def recording(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                  block_tables: torch.Tensor, ctx_lens: torch.Tensor, query_start: torch.Tensor,
+                  new_mask: torch.Tensor, scale: float, query_ctx_lens: torch.Tensor | None = None,
+                  **kw: Any) -> torch.Tensor:  # fmt: skip
+        seen[ShapeKey(block_tables.shape[0], new_mask.shape[1], query_ctx_lens is not None)] += 1
+        return kernel(q_latent, q_rope, kv_cache, block_tables, ctx_lens, query_start, new_mask,
+                      scale, query_ctx_lens, **kw)
+
+    attn.tree_mla_attention = recording  # type: ignore[assignment]
+    try:
+        eng = random_adaptive_engine(preset, torch.device("cuda"), max_batch)
+    finally:
+        attn.tree_mla_attention = kernel  # type: ignore[assignment]
+    return eng, seen
+
+
+def profiles(eng: Any, points: str) -> list[str]:
+    from spec_step_profile import profile_point
+
+    from engine.spec.adaptive import NO_SPEC
+
+    tree, chain = sorted(eng.graphed_budgets(False), key=lambda b: -b.topk)[:2]
+    arms = {"none": NO_SPEC, "chain": chain, "tree": tree}
+    out = []
+    for point in points.split(","):
+        b, ctx, arm = point.split(":")
+        _, text = profile_point(eng, int(b), int(ctx), arms[arm])
+        print(text, flush=True)
+        out.append(text)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--preset", default="gpu")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--contexts", default="64,256")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="seconds for step 3")
+    parser.add_argument("--min-gain", type=float, default=0.03)
+    parser.add_argument("--profile", default="1:64:tree,1:64:none", help="batch:context:arm points")
+    parser.add_argument("--write", type=Path, default=attention_tuning.DEFAULT_TABLE)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from engine.model.config import ModelConfig
+    from train.presets import PRESETS
+
+    cfg = ModelConfig.from_hf_dict(PRESETS[args.preset].hf_config(0, 1, 2))
+    heads, rank, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    contexts = [int(c) for c in args.contexts.split(",")]
+    # The defaults are the kernel's own rules: no table while they are measured.
+    os.environ[attention_tuning.ENV_VAR] = str(args.out / "no-table.json")
+    attention_tuning.clear_cache()
+    t0 = time.perf_counter()
+    eng, seen = record_shapes(args.preset, args.max_batch)
+    gk.RANK, gk.ROPE, gk.BLOCK_SIZE = rank, rope, eng.pool.block_size
+    print(f"engine built in {time.perf_counter() - t0:.0f} s; shapes: {dict(seen)}", flush=True)
+    report: dict[str, Any] = {"preset": args.preset, "contexts": contexts,
+                              "profiles_default": profiles(eng, args.profile) if args.profile else []}
+    del eng
+    torch.cuda.empty_cache()
+    entries, shapes = [], []
+    start = time.perf_counter()
+    for key in sorted(seen, key=lambda k: (k.num_seqs, k.max_new, k.has_qctx)):
+        if time.perf_counter() - start > args.budget_s:
+            print(f"budget spent: {key} and later shapes not tuned", flush=True)
+            break
+        result = tune_shape(key, heads, contexts)
+        times = result["times"]
+        if "default" not in times:
+            print(f"{key}: the defaults failed ({result['errors'].get('default')}): not tuned", flush=True)
+            continue
+        best = pick(times, "default", args.min_gain)
+        print(f"{key}: default {times['default']:.2f} us, best {times[best]:.2f} us {best} "
+              f"({len(times)} settings, {len(result['errors'])} failed)", flush=True)
+        shapes.append({**key._asdict(), **result, "best": best})
+        if best != "default":
+            entries.append({**key._asdict(), "launch": json.loads(best),
+                            "us": round(times[best], 2), "default_us": round(times["default"], 2)})
+    table = {"device": torch.cuda.get_device_name(0), "heads": heads, "rank": rank, "rope": rope,
+             "block_size": gk.BLOCK_SIZE, "contexts": contexts, "entries": entries}
+    args.write.parent.mkdir(parents=True, exist_ok=True)
+    args.write.write_text(json.dumps(merge_table(args.write, table), indent=1) + "\n")
+    report["shapes"] = shapes
+    (args.out / "attention_tuning.json").write_text(json.dumps(report, indent=1))
+    print(f"{len(entries)} of {len(shapes)} shapes tuned into {args.write}", flush=True)
+    if args.profile:
+        os.environ[attention_tuning.ENV_VAR] = str(args.write)
+        attention_tuning.clear_cache()
+        eng, _ = record_shapes(args.preset, args.max_batch)
+        report["profiles_tuned"] = profiles(eng, args.profile)
+        (args.out / "attention_tuning.json").write_text(json.dumps(report, indent=1))
+    (args.out / "attention_tuning.txt").write_text(
+        "\n".join(["== defaults"] + report["profiles_default"] + ["== tuned"] + report.get("profiles_tuned", []))
+    )
+
+
+if __name__ == "__main__":
+    main()
