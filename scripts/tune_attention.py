@@ -29,6 +29,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,7 @@ def tune_shape(key: ShapeKey, heads: int, contexts: list[int], device: str = "cu
                 if not bool(((got - ref).abs() <= 2e-2 + 2e-2 * ref.abs()).all()):
                     errors[name] = "differs from the reference"
                     continue
-                per_ctx.setdefault(name, []).append(graph_us(lambda: attn.tree_mla_attention(**inputs, **kw)))
+                per_ctx.setdefault(name, []).append(graph_us(partial(attn.tree_mla_attention, **inputs, **kw)))
             except Exception as exc:  # e.g. out of shared memory or registers
                 errors[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
     times = {k: statistics.mean(v) for k, v in per_ctx.items() if len(v) == len(contexts)}
