@@ -43,9 +43,14 @@ from engine.kernels import attention_tuning  # noqa: E402
 from engine.kernels.attention_tuning import ShapeKey, TunedLaunch  # noqa: E402
 
 CALLS_PER_GRAPH = 20
-BLOCK_MS = (16, 32, 64)
-BLOCK_NS = (16, 32)
-SPLITS = (1, 2, 4, 8)
+# The grid (``--block-ms``, ``--block-ns``, ``--splits`` change it). On the H200 at the gpu
+# preset's sizes (session 24, bench/results/h200-2026-12-03-session24-attention-tuning.json),
+# of tiles 16/32/64 rows, 16/32 keys, 1-8 splits and either head layout, the batch-1 shapes
+# ran fastest with 16-row tiles, 16 keys and the most splits (8 of at most 8): each program's
+# latency is the call's time, so many short programs win.
+BLOCK_MS: tuple[int, ...] = (16, 64)
+BLOCK_NS: tuple[int, ...] = (16,)
+SPLITS: tuple[int, ...] = (4, 8, 16)
 
 
 def settings_grid(key: ShapeKey, heads: int) -> Iterator[TunedLaunch]:
@@ -174,6 +179,19 @@ def profiles(eng: Any, points: str) -> list[str]:
     return out
 
 
+def _ints(text: str | None) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",")) if text else ()
+
+
+def parse_shapes(text: str) -> list[ShapeKey]:
+    """``B:NEW:QCTX`` items, e.g. ``1:33:0,1:4:1``."""
+    keys = []
+    for item in text.split(","):
+        b, new, qctx = (int(x) for x in item.split(":"))
+        keys.append(ShapeKey(b, new, bool(qctx)))
+    return keys
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -184,7 +202,16 @@ def main() -> None:
     parser.add_argument("--min-gain", type=float, default=0.03)
     parser.add_argument("--profile", default="1:64:tree,1:64:none", help="batch:context:arm points")
     parser.add_argument("--write", type=Path, default=attention_tuning.DEFAULT_TABLE)
+    parser.add_argument("--shapes", default=None,
+                        help="B:NEW:QCTX,... (QCTX 0/1) to tune without building an engine to record them")
+    parser.add_argument("--block-ms", default=None, help="tile rows of the grid, e.g. 16,32,64")
+    parser.add_argument("--block-ns", default=None, help="keys per step of the grid, e.g. 16,32")
+    parser.add_argument("--splits", default=None, help="key splits of the grid, e.g. 1,2,4,8")
     args = parser.parse_args()
+    global BLOCK_MS, BLOCK_NS, SPLITS
+    BLOCK_MS = _ints(args.block_ms) or BLOCK_MS
+    BLOCK_NS = _ints(args.block_ns) or BLOCK_NS
+    SPLITS = _ints(args.splits) or SPLITS
     args.out.mkdir(parents=True, exist_ok=True)
     from engine.model.config import ModelConfig
     from train.presets import PRESETS
@@ -195,14 +222,18 @@ def main() -> None:
     # The defaults are the kernel's own rules: no table while they are measured.
     os.environ[attention_tuning.ENV_VAR] = str(args.out / "no-table.json")
     attention_tuning.clear_cache()
-    t0 = time.perf_counter()
-    eng, seen = record_shapes(args.preset, args.max_batch)
-    gk.RANK, gk.ROPE, gk.BLOCK_SIZE = rank, rope, eng.pool.block_size
-    print(f"engine built in {time.perf_counter() - t0:.0f} s; shapes: {dict(seen)}", flush=True)
-    report: dict[str, Any] = {"preset": args.preset, "contexts": contexts,
-                              "profiles_default": profiles(eng, args.profile) if args.profile else []}
-    del eng
-    torch.cuda.empty_cache()
+    report: dict[str, Any] = {"preset": args.preset, "contexts": contexts, "profiles_default": []}
+    gk.RANK, gk.ROPE, gk.BLOCK_SIZE = rank, rope, 16  # the engine's page
+    if args.shapes:
+        seen = Counter(parse_shapes(args.shapes))
+    else:
+        t0 = time.perf_counter()
+        eng, seen = record_shapes(args.preset, args.max_batch)
+        gk.BLOCK_SIZE = eng.pool.block_size
+        print(f"engine built in {time.perf_counter() - t0:.0f} s; shapes: {dict(seen)}", flush=True)
+        report["profiles_default"] = profiles(eng, args.profile) if args.profile else []
+        del eng
+        torch.cuda.empty_cache()
     entries, shapes = [], []
     start = time.perf_counter()
     for key in sorted(seen, key=lambda k: (k.num_seqs, k.max_new, k.has_qctx)):

@@ -81,7 +81,9 @@ def test_the_grid_lists_each_distinct_launch_once() -> None:
     assert len(one_row) == len(set(one_row)) == 2 * len(tune.BLOCK_NS) * len(tune.SPLITS)  # type: ignore[attr-defined]
     tree = list(tune.settings_grid(ShapeKey(1, 33, False), heads=16))  # type: ignore[attr-defined]
     assert all(s.pack_heads for s in tree)  # a power-of-two head count: one layout
-    assert {s.block_m for s in tree} == {16, 32, 64} and {s.num_warps for s in tree} == {4, 8}
+    assert {s.block_m for s in tree} == set(tune.BLOCK_MS) and {s.num_warps for s in tree} == {4, 8}  # type: ignore[attr-defined]
+    shapes = tune.parse_shapes("1:33:0,2:4:1")  # type: ignore[attr-defined]
+    assert shapes == [ShapeKey(1, 33, False), ShapeKey(2, 4, True)]
 
 
 def test_the_defaults_stay_unless_beaten_by_the_margin() -> None:
