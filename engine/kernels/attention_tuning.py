@@ -1,16 +1,21 @@
 """Launch settings of the tree-MLA attention kernel measured on a device, per call shape.
 
 On a grid that does not fill the GPU (small batches: the batch-1 tree step's attention runs 18
-times a step over 64-row grids of a few programs) a call's time is one program's latency, which
-depends on the tile, the warps and the key splits in ways a rule of thumb misses. The H200 table
-``tuned/tree_mla_attention.json`` holds the fastest of a grid of settings for each shape the
-engine captures in its CUDA graphs at batch sizes up to 16 (``scripts/tune_attention.py``
-times them as graph replays, at two context lengths, each checked against the PyTorch
-reference first). A call whose shape is not in the table keeps the kernel's defaults
-(``default_tile``, ``_pick_num_splits``, ``_pack_heads``).
+times a step over grids of a few programs) a call's time is one program's latency, which depends
+on the tile, the warps and the key splits in ways a rule of thumb can miss. A table file
+(``tuned/tree_mla_attention.json`` beside this module, or the file ``MTPSERVE_ATTENTION_TUNING``
+names) holds the fastest of a grid of settings for shapes the engine captures in its CUDA graphs,
+as ``scripts/tune_attention.py`` measured them (graph replays at two context lengths, each
+setting checked against the PyTorch reference first). A call whose shape is not in the table
+keeps the kernel's rules (``default_tile``, ``_pick_num_splits``, ``_pack_heads``).
+
+None is shipped: on the H200 at the ``gpu`` preset's sizes, the best settings of three batch-1
+shapes took 2-8 µs off a tree step of 1.0 ms and an autoregressive step of 0.53 ms of device
+time (``bench/results/h200-2026-12-03-session24-attention-tuning.json``), too little to keep a
+table in step with the kernel for.
 
 A table is for one device name and one model's attention sizes (heads, latent rank, rope
-width); ``MTPSERVE_ATTENTION_TUNING`` names another file (a tuning run's output) in its place.
+width).
 """
 
 from __future__ import annotations
