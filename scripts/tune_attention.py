@@ -90,19 +90,12 @@ def merge_table(path: Path, table: dict[str, Any]) -> dict[str, Any]:
 
 def graph_us(fn: Callable[[], Any]) -> float:
     """Microseconds per call of ``fn`` replayed ``CALLS_PER_GRAPH`` times in one CUDA graph."""
-    from triton.testing import do_bench
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def calls() -> None:
         for _ in range(CALLS_PER_GRAPH):
             fn()
-    ms = do_bench(graph.replay, warmup=5, rep=30, return_mode="median")
-    return float(ms) * 1e3 / CALLS_PER_GRAPH
+
+    return gk._graph_ms(calls) * 1e3 / CALLS_PER_GRAPH
 
 
 def inputs_for(key: ShapeKey, ctx: int, heads: int, seed: int, device: str = "cuda") -> dict[str, Any]:
