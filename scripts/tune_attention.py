@@ -1,29 +1,31 @@
-"""Measure the tree-MLA attention kernel's launch settings for the shapes an engine captures, and
-write the fastest into the kernel's table (``engine/kernels/attention_tuning.py``). GPU only.
+"""Time the tree-MLA attention kernel's launch settings for the shapes an engine captures (a
+diagnosis tool; GPU only). Its findings go into the kernel's rules (``default_tile``,
+``_pick_num_splits``, ``_pack_heads`` in ``engine/kernels/tree_mla_attention.py``) when they are
+worth it; nothing reads its output at run time.
 
-1. builds an adaptive engine over random weights of a training preset (``--max-batch``,
-   default 16), recording every attention call's shape (sequences, query tokens per sequence,
-   per-row contexts or not) while it captures its CUDA graphs;
-2. profiles the batch-1 tree and autoregressive steps (``--profile``; kernels and device time,
-   ``scripts/spec_step_profile.py``) with the kernel's defaults;
-3. for each recorded shape, smallest batches first while ``--budget-s`` lasts: every setting of a
-   grid (tile rows, keys per step, warps, key splits, packed or padded heads) on random inputs
-   of that shape at each of ``--contexts``, checked against the PyTorch reference, then timed as
-   the replay of a CUDA graph of ``CALLS_PER_GRAPH`` calls (as the engine runs it: no launch
-   gaps). A shape's score is its mean over the contexts; the fastest setting is kept where it
-   beats the defaults by ``--min-gain`` (default 3%);
-4. writes the table (``--write``, default the kernel's own table: it replaces the table of
-   this device and these sizes, keeping others) and OUT/attention_tuning.json (every setting's
-   time), then profiles the same steps again on a new engine that captures with the table.
+1. the shapes: ``--shapes B:NEW:QCTX,...``, or those an adaptive engine over random weights of a
+   training preset calls while it captures its CUDA graphs (``--max-batch``, default 16):
+   sequences, query tokens per sequence, per-row contexts or not;
+2. for each shape, smallest batches first while ``--budget-s`` lasts: the kernel's defaults and
+   every setting of a grid (tile rows, keys per step, warps, key splits, packed or padded heads)
+   on random inputs of that shape at each of ``--contexts``, checked against the PyTorch
+   reference, then timed as the replay of a CUDA graph of ``CALLS_PER_GRAPH`` calls (as the
+   engine runs it: no launch gaps). A shape's score is its mean over the contexts; the best
+   is the fastest setting where it beats the defaults by ``--min-gain`` (default 3%);
+3. writes every setting's time to OUT/attention_tuning.json.
 
-    PYTHONPATH=. python scripts/tune_attention.py OUT [--preset gpu] [--budget-s 200]
+Session 24 on the H200 (``bench/results/h200-2026-12-03-session24-attention-tuning.json``): of
+tiles of 16/32/64 rows, 16/32 keys, 1-8 splits and either head layout, three batch-1 shapes ran
+fastest with 16-row tiles, 16 keys and 8 splits, 8.5-10.5 -> 7.2-7.5 us a call alone; with those
+settings in the captured steps, 2-8 us of a 1.0 ms tree step and a 0.53 ms autoregressive one.
+
+    PYTHONPATH=. python scripts/tune_attention.py OUT [--shapes 1:33:0,1:4:1] [--budget-s 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,34 +41,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench.gpu_kernels as gk  # noqa: E402
 import engine.kernels.tree_mla_attention as attn  # noqa: E402
-from engine.kernels import attention_tuning  # noqa: E402
-from engine.kernels.attention_tuning import ShapeKey, TunedLaunch  # noqa: E402
 
 CALLS_PER_GRAPH = 20
-# The grid (``--block-ms``, ``--block-ns``, ``--splits`` change it). On the H200 at the gpu
-# preset's sizes (session 24, bench/results/h200-2026-12-03-session24-attention-tuning.json),
-# of tiles 16/32/64 rows, 16/32 keys, 1-8 splits and either head layout, the batch-1 shapes
-# ran fastest with 16-row tiles, 16 keys and the most splits (8 of at most 8): each program's
-# latency is the call's time, so many short programs win.
-BLOCK_MS: tuple[int, ...] = (16, 64)
-BLOCK_NS: tuple[int, ...] = (16,)
-SPLITS: tuple[int, ...] = (4, 8, 16)
 
 
-def settings_grid(key: ShapeKey, heads: int) -> Iterator[TunedLaunch]:
-    """Each distinct launch of the grid for ``key`` (tile rows clamp to what a sequence's rows
+class ShapeKey(NamedTuple):
+    """What a captured call's best settings depend on, besides the device and model sizes."""
+
+    num_seqs: int  # sequences of the call (the graph's batch bucket)
+    max_new: int  # query tokens per sequence (new_mask's width)
+    has_qctx: bool  # per-row committed contexts (the MTP drafting rows)
+
+
+class Launch(NamedTuple):
+    """``tree_mla_attention``'s tuning knobs."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_splits: int
+    pack_heads: bool
+
+
+class Grid(NamedTuple):
+    """The requested settings (``--block-ms``, ``--block-ns``, ``--splits``); the default is the
+    neighbourhood of session 24's batch-1 winners."""
+
+    block_ms: tuple[int, ...] = (16, 64)
+    block_ns: tuple[int, ...] = (16,)
+    splits: tuple[int, ...] = (4, 8, 16)
+
+
+def settings_grid(key: ShapeKey, heads: int, grid: Grid = Grid()) -> Iterator[Launch]:
+    """Each distinct launch of ``grid`` for ``key`` (tile rows clamp to what a sequence's rows
     need, so several requested sizes can launch alike: each launch is listed once)."""
     seen = set()
     packs = (True,) if heads & (heads - 1) == 0 else (True, False)
     for pack in packs:
         stride = heads if pack else 1 << (heads - 1).bit_length()
         rows = key.max_new * stride
-        for bm in BLOCK_MS:
+        for bm in grid.block_ms:
             eff = attn._rows_per_tile(bm, rows)
-            for bn in BLOCK_NS:
+            for bn in grid.block_ns:
                 for warps in (4, 8) if eff >= 64 else (4,):
-                    for splits in SPLITS:
-                        launch = TunedLaunch(eff, bn, warps, splits, pack)
+                    for splits in grid.splits:
+                        launch = Launch(eff, bn, warps, splits, pack)
                         if launch not in seen:
                             seen.add(launch)
                             yield launch
@@ -76,16 +95,6 @@ def pick(times: dict[str, float], default_key: str, min_gain: float) -> str:
     """The fastest setting's key, or ``default_key`` unless another beats it by ``min_gain``."""
     best = min(times, key=lambda k: times[k])
     return best if times[best] < (1.0 - min_gain) * times[default_key] else default_key
-
-
-def merge_table(path: Path, table: dict[str, Any]) -> dict[str, Any]:
-    """The document at ``path`` with ``table`` in place of the one for the same device and
-    sizes (others kept)."""
-    doc = json.loads(path.read_text()) if path.is_file() else {}
-    ident = ("device", "heads", "rank", "rope")
-    keep = [t for t in doc.get("tables", []) if tuple(t.get(k) for k in ident) != tuple(table[k] for k in ident)]
-    return {"about": "tree-MLA attention launch settings per captured shape (scripts/tune_attention.py)",
-            "tables": keep + [table]}
 
 
 def graph_us(fn: Callable[[], Any]) -> float:
@@ -108,11 +117,12 @@ def inputs_for(key: ShapeKey, ctx: int, heads: int, seed: int, device: str = "cu
     return inputs
 
 
-def tune_shape(key: ShapeKey, heads: int, contexts: list[int], device: str = "cuda") -> dict[str, Any]:
+def tune_shape(key: ShapeKey, heads: int, contexts: list[int], grid: Grid = Grid(),
+               device: str = "cuda") -> dict[str, Any]:
     """Every setting's mean time over ``contexts`` (µs), wrong or failing ones left out."""
     per_ctx: dict[str, list[float]] = {}
     settings = {"default": {}} | {
-        json.dumps(s._asdict()): s._asdict() for s in settings_grid(key, heads)
+        json.dumps(s._asdict()): s._asdict() for s in settings_grid(key, heads, grid)
     }
     errors: dict[str, str] = {}
     for ctx in contexts:
@@ -156,22 +166,6 @@ def record_shapes(preset: str, max_batch: int) -> tuple[Any, Counter[ShapeKey]]:
     return eng, seen
 
 
-def profiles(eng: Any, points: str) -> list[str]:
-    from spec_step_profile import profile_point
-
-    from engine.spec.adaptive import NO_SPEC
-
-    tree, chain = sorted(eng.graphed_budgets(False), key=lambda b: -b.topk)[:2]
-    arms = {"none": NO_SPEC, "chain": chain, "tree": tree}
-    out = []
-    for point in points.split(","):
-        b, ctx, arm = point.split(":")
-        _, text = profile_point(eng, int(b), int(ctx), arms[arm])
-        print(text, flush=True)
-        out.append(text)
-    return out
-
-
 def _ints(text: str | None) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",")) if text else ()
 
@@ -191,20 +185,17 @@ def main() -> None:
     parser.add_argument("--preset", default="gpu")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--contexts", default="64,256")
-    parser.add_argument("--budget-s", type=float, default=200.0, help="seconds for step 3")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="seconds for the timing")
     parser.add_argument("--min-gain", type=float, default=0.03)
-    parser.add_argument("--profile", default="1:64:tree,1:64:none", help="batch:context:arm points")
-    parser.add_argument("--write", type=Path, default=attention_tuning.DEFAULT_TABLE)
     parser.add_argument("--shapes", default=None,
-                        help="B:NEW:QCTX,... (QCTX 0/1) to tune without building an engine to record them")
+                        help="B:NEW:QCTX,... (QCTX 0/1) to time without building an engine to record them")
     parser.add_argument("--block-ms", default=None, help="tile rows of the grid, e.g. 16,32,64")
     parser.add_argument("--block-ns", default=None, help="keys per step of the grid, e.g. 16,32")
     parser.add_argument("--splits", default=None, help="key splits of the grid, e.g. 1,2,4,8")
     args = parser.parse_args()
-    global BLOCK_MS, BLOCK_NS, SPLITS
-    BLOCK_MS = _ints(args.block_ms) or BLOCK_MS
-    BLOCK_NS = _ints(args.block_ns) or BLOCK_NS
-    SPLITS = _ints(args.splits) or SPLITS
+    default = Grid()
+    grid = Grid(_ints(args.block_ms) or default.block_ms, _ints(args.block_ns) or default.block_ns,
+                _ints(args.splits) or default.splits)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     from engine.model.config import ModelConfig
     from train.presets import PRESETS
@@ -212,10 +203,6 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dict(PRESETS[args.preset].hf_config(0, 1, 2))
     heads, rank, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     contexts = [int(c) for c in args.contexts.split(",")]
-    # The defaults are the kernel's own rules: no table while they are measured.
-    os.environ[attention_tuning.ENV_VAR] = str(args.out / "no-table.json")
-    attention_tuning.clear_cache()
-    report: dict[str, Any] = {"preset": args.preset, "contexts": contexts, "profiles_default": []}
     gk.RANK, gk.ROPE, gk.BLOCK_SIZE = rank, rope, 16  # the engine's page
     if args.shapes:
         seen = Counter(parse_shapes(args.shapes))
@@ -224,43 +211,25 @@ def main() -> None:
         eng, seen = record_shapes(args.preset, args.max_batch)
         gk.BLOCK_SIZE = eng.pool.block_size
         print(f"engine built in {time.perf_counter() - t0:.0f} s; shapes: {dict(seen)}", flush=True)
-        report["profiles_default"] = profiles(eng, args.profile) if args.profile else []
         del eng
         torch.cuda.empty_cache()
-    entries, shapes = [], []
+    report: dict[str, Any] = {"preset": args.preset, "device": torch.cuda.get_device_name(0),
+                              "contexts": contexts, "grid": grid._asdict(), "shapes": []}
     start = time.perf_counter()
     for key in sorted(seen, key=lambda k: (k.num_seqs, k.max_new, k.has_qctx)):
         if time.perf_counter() - start > args.budget_s:
-            print(f"budget spent: {key} and later shapes not tuned", flush=True)
+            print(f"budget spent: {key} and later shapes not timed", flush=True)
             break
-        result = tune_shape(key, heads, contexts)
+        result = tune_shape(key, heads, contexts, grid)
         times = result["times"]
         if "default" not in times:
-            print(f"{key}: the defaults failed ({result['errors'].get('default')}): not tuned", flush=True)
+            print(f"{key}: the defaults failed ({result['errors'].get('default')})", flush=True)
             continue
         best = pick(times, "default", args.min_gain)
         print(f"{key}: default {times['default']:.2f} us, best {times[best]:.2f} us {best} "
               f"({len(times)} settings, {len(result['errors'])} failed)", flush=True)
-        shapes.append({**key._asdict(), **result, "best": best})
-        if best != "default":
-            entries.append({**key._asdict(), "launch": json.loads(best),
-                            "us": round(times[best], 2), "default_us": round(times["default"], 2)})
-    table = {"device": torch.cuda.get_device_name(0), "heads": heads, "rank": rank, "rope": rope,
-             "block_size": gk.BLOCK_SIZE, "contexts": contexts, "entries": entries}
-    args.write.parent.mkdir(parents=True, exist_ok=True)
-    args.write.write_text(json.dumps(merge_table(args.write, table), indent=1) + "\n")
-    report["shapes"] = shapes
-    (args.out / "attention_tuning.json").write_text(json.dumps(report, indent=1))
-    print(f"{len(entries)} of {len(shapes)} shapes tuned into {args.write}", flush=True)
-    if args.profile:
-        os.environ[attention_tuning.ENV_VAR] = str(args.write)
-        attention_tuning.clear_cache()
-        eng, _ = record_shapes(args.preset, args.max_batch)
-        report["profiles_tuned"] = profiles(eng, args.profile)
+        report["shapes"].append({**key._asdict(), **result, "best": best})
         (args.out / "attention_tuning.json").write_text(json.dumps(report, indent=1))
-    (args.out / "attention_tuning.txt").write_text(
-        "\n".join(["== defaults"] + report["profiles_default"] + ["== tuned"] + report.get("profiles_tuned", []))
-    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.attention_tuning import ShapeKey, TunedLaunch, lookup
-
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (keeps exp2 NaN-free)
 
@@ -251,17 +249,6 @@ def default_tile(rank: int) -> Tile:
     return Tile(block_m=64, block_n=16, num_warps=4)
 
 
-def tuned_launch(device_name: str | None, heads: int, rank: int, rope: int, key: ShapeKey) -> TunedLaunch | None:
-    """The settings measured for this call's shape on this device (``attention_tuning``), None
-    off a CUDA device (``device_name`` None) or for a shape not measured."""
-    return None if device_name is None else lookup(device_name, heads, rank, rope, key)
-
-
-@functools.cache
-def _device_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
-
-
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -339,17 +326,11 @@ def tree_mla_attention(
     """
     num_tokens, num_heads, rank = q_latent.shape
     num_seqs, max_new = block_tables.shape[0], new_mask.shape[1]
-    rope_dim = q_rope.shape[-1]
-    if (block_m, block_n, num_warps, num_splits, pack_heads) == (None,) * 5:
-        device_name = _device_name(q_latent.device.index or 0) if q_latent.is_cuda else None
-        tuned = tuned_launch(device_name, num_heads, rank, rope_dim,
-                             ShapeKey(num_seqs, max_new, query_ctx_lens is not None))  # fmt: skip
-        if tuned is not None:
-            block_m, block_n, num_warps, num_splits, pack_heads = tuned
     tile = default_tile(rank)
     block_m = tile.block_m if block_m is None else block_m
     block_n = tile.block_n if block_n is None else block_n
     num_warps = tile.num_warps if num_warps is None else num_warps
+    rope_dim = q_rope.shape[-1]
     block_size = kv_cache.shape[1]
     assert kv_cache.shape[-1] == rank + rope_dim and kv_cache.stride(-1) == 1
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1

@@ -44,7 +44,7 @@ def logprob_topk(
     """``log_softmax(logits, -1)`` (float32) and its top ``k`` (values descending, indices):
     one fused kernel on CUDA with Triton (``fused``: None for that, else whether to), else
     ``topk_last`` of the log-softmax. ``out``: [R, k] views to write them into (2-D logits)."""
-    if logits.is_cuda and triton_available() if fused is None else fused:
+    if (logits.is_cuda and triton_available()) if fused is None else fused:
         from engine.kernels.logprob_topk import MAX_VOCAB, logprob_topk_triton
 
         if logits.shape[-1] <= MAX_VOCAB:
@@ -86,7 +86,7 @@ def grow_frontier(
     next frontier, their ``K`` best (scores, candidate indices, tokens [B, K], their parents'
     hidden rows [B, K, H]). On CUDA with Triton one fused kernel (``engine.kernels.tree_grow``);
     else torch ops."""
-    if front_hidden.is_cuda and triton_available() if fused is None else fused:
+    if (front_hidden.is_cuda and triton_available()) if fused is None else fused:
         from engine.kernels.tree_grow import grow_frontier_triton
 
         result = run_kernel("grow_frontier", lambda: grow_frontier_triton(

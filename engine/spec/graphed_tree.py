@@ -371,7 +371,7 @@ class GraphedTreeStep:
             torch.arange(cache.shape[0], device=self.device).repeat_interleave(scratch_slots.numel()),
             scratch_slots.repeat(cache.shape[0]),
         )  # ([layers * slots] layer, [layers * slots] slot)
-        self.fused_io = self.device.type == "cuda" and triton_available() if self.FUSED_IO is None else self.FUSED_IO
+        self.fused_io = (self.device.type == "cuda" and triton_available()) if self.FUSED_IO is None else self.FUSED_IO
         self.row_tables: tuple[Tensor, Tensor, Tensor] | None = None
         if self.fused_io:  # every depth's row tables packed for one kernel (``_row_inputs``)
             from engine.kernels.mtp_rows import pack_row_tables

@@ -70,12 +70,15 @@ def test_a_run_begun_below_the_boost_clock_is_recorded(monkeypatch: pytest.Monke
     assert probe.since(probe.snapshot()) == {}  # at the boost clock: nothing to record
 
 
-def test_no_clock_off_a_gpu_and_the_spin_is_a_no_op_there() -> None:
+def test_no_clock_off_a_gpu_and_the_spin_is_a_no_op_there(monkeypatch: pytest.MonkeyPatch) -> None:
     from bench.gpu_clock import below_boost, sm_clock_mhz, spin
 
+    products: list[object] = []
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: products.append(a))
     cpu = torch.device("cpu")
     assert sm_clock_mhz(cpu) is None and not below_boost(cpu, 345)
-    spin(cpu, 50.0)  # returns at once: nothing to keep busy
+    spin(cpu, 50.0)
+    assert products == []  # nothing to keep busy: no product ran
     assert StallProbe().snapshot()["sm_mhz"] is None
 
 
