@@ -4,7 +4,6 @@ something that can stall it happened (``bench.stall_probe``) carries the mark.""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,17 +13,14 @@ from types import SimpleNamespace
 import torch
 
 from bench.stall_probe import StallProbe
+from tests.bench.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "adaptive_trace.py"
 
 
 def _script() -> object:
-    spec = importlib.util.spec_from_file_location("adaptive_trace", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("adaptive_trace")
 
 
 def test_a_step_during_a_collection_is_marked() -> None:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SpecConfig
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "batch_change_cost.py"
+from tests.bench.scripts import load_script
 
 
 def test_changed_steps_are_measured_on_the_graphed_path(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("batch_change_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("batch_change_cost")
     folder = module._tiny_checkpoint(tmp_path)
     eng = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="chain", num_draft_tokens=4),
                                     engine_config=EngineConfig(max_batch_size=16, cuda_graphs=True))  # fmt: skip

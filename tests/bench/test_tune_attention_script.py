@@ -3,23 +3,17 @@ settings it tries, the choice against the defaults, and the shapes it is given."
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("triton")
+from tests.bench.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_attention.py"
+pytest.importorskip("triton")
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("tune_attention", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tune_attention")
 
 
 def test_the_grid_lists_each_distinct_launch_once() -> None:
