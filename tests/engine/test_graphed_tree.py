@@ -255,6 +255,31 @@ def test_greedy_and_unseeded_sampled_sequences_both_graphed_in_one_step(small_vo
     assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
 
 
+def test_a_sampled_batch_goes_to_the_sampled_step_first_and_the_greedy_one_checks_nothing(
+    small_vocab_dir: Path,
+) -> None:
+    """After a graphed step, the step that took it is asked first: a sampled batch is not
+    checked sequence by sequence by the greedy step at every engine step, before or after
+    some of its requests finished."""
+    spec = SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=STATIC)
+    assert eng.graphed_tree is not None and eng.graphed_sampled is not None
+    checked: list[int] = []
+    eligible = eng.graphed_tree.eligible
+    eng.graphed_tree.eligible = lambda seq: checked.append(1) or eligible(seq)  # type: ignore[method-assign]
+    requests = {f"s{i}": (prompt, SamplingParams(max_tokens=12 + 6 * i, temperature=0.9, ignore_eos=True))
+                for i, prompt in enumerate(PROMPTS)}  # fmt: skip
+    for rid, (prompt, params) in requests.items():
+        eng.add_request(rid, prompt, params)
+    eng.step()  # the prefill
+    eng.step()  # the first graphed step: no step ran before, the greedy one is asked first
+    first = len(checked)
+    assert first == len(PROMPTS)
+    final = _serve(eng, {})
+    assert len(checked) == first, "the greedy step checked sequences after the first step"
+    assert sorted(len(o.token_ids) for o in final.values()) == [12, 18, 24, 30]
+
+
 def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessly(
     small_vocab_dir: Path,
 ) -> None:

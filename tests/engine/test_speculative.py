@@ -462,15 +462,58 @@ def test_a_prefill_catches_up_only_a_request_arriving_alone_at_a_drafting_batch(
     config = EngineConfig(cuda_graphs=True, prefill_chunk_tokens=8)
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
     assert eng.drafter is not None
-    eng._last_drafting = eng.budget  # the last decode step drafted
+    eng.add_request("running", [3, 1, 2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    eng.step()  # its prefill
+    eng.step()  # its first decode step: the batch decodes
+    eng._last_drafting = eng.budget  # and drafted
     caught: list[int] = []
     catch_up = eng.drafter.catch_up
     eng.drafter.catch_up = lambda seqs: caught.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
     prompts = [[5, 1, 4, 2, 3, 0, 2, 1]] * (3 if others_in_prefill else 1)  # one chunk each
     for i, prompt in enumerate(prompts):
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    eng.step()  # the first chunk: the first request's whole prompt
-    assert caught == ([] if others_in_prefill else [1])
+    eng.step()  # the first chunk: the first new request's whole prompt
+    assert caught[:1] == ([] if others_in_prefill else [1])
+
+
+def _filling_engine(small_vocab_dir: Path, drafts_once_full: bool) -> tuple[LLMEngine, list[int]]:
+    """An adaptive engine prefilling 24 prompt tokens per step whose step costs say a batch of
+    up to 3 drafts (or decodes autoregressively), and the sizes of its MTP catch-ups."""
+    from engine import EngineConfig
+    from engine.spec.adaptive import NO_SPEC
+
+    config = EngineConfig(cuda_graphs=True, prefill_chunk_tokens=24)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
+    assert eng.drafter is not None and eng.adaptive is not None
+    arms = eng.graphed_budgets(False)
+    assert arms
+    eng.adaptive.arms.catch_up.calibrate([(8, 0.0005), (64, 0.001)])
+    for bucket in (1, 2):  # batches of 1 and of 2-3
+        eng.adaptive.arms.seed_cost(bucket, False, NO_SPEC, 0.010)
+        for arm in arms:  # per token far below (or above) an autoregressive step
+            eng.adaptive.arms.seed_cost(bucket, False, arm, 0.001 if drafts_once_full else 0.100)
+    caught: list[int] = []
+    catch_up = eng.drafter.catch_up
+    eng.drafter.catch_up = lambda seqs: caught.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
+    return eng, caught
+
+
+@pytest.mark.parametrize("drafts_once_full", [True, False])
+def test_the_last_chunk_of_a_filling_batch_follows_the_batch_not_the_last_one(
+    small_vocab_dir: Path, drafts_once_full: bool,
+) -> None:
+    """A batch admitted together whose last chunk is prefilled before any of it has decoded
+    (two chunks: a prefill-only step, then the last): that chunk is caught up as the filled
+    batch would draft, not as the previous batch's last decode step had (the H200's batch
+    128 left its second chunk to its first drafting step whenever the batch before it had
+    ended decoding autoregressively)."""
+    eng, caught = _filling_engine(small_vocab_dir, drafts_once_full)
+    eng._last_drafting = None if drafts_once_full else eng.budget  # the previous batch's last step
+    for i in range(2):
+        eng.add_request(f"r{i}", [5, 1, 4, 2, 3, 0, 2, 1] * 3, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    eng.step()  # the first chunk alone
+    eng.step()  # the last chunk, then the first request's first decode step
+    assert caught == ([1, 1] if drafts_once_full else [])
 
 
 @pytest.mark.parametrize("drafts_once_full", [True, False])
@@ -481,21 +524,10 @@ def test_a_filling_batch_that_will_draft_is_caught_up_chunk_by_chunk(
     would switch to drafting, its catch-up over every prompt counted (the step costs known for
     its size say so), each chunk's prompts are caught up in their prefill, so the drafting step
     after the fill has nothing to catch up; where it would decode autoregressively, none is."""
-    from engine import EngineConfig
     from engine.spec.adaptive import NO_SPEC
 
-    config = EngineConfig(cuda_graphs=True, prefill_chunk_tokens=24)
-    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
-    assert eng.drafter is not None and eng.adaptive is not None
-    arms = eng.graphed_budgets(False)
-    assert arms
-    eng.adaptive.arms.catch_up.calibrate([(8, 0.0005), (64, 0.001)])
-    eng.adaptive.arms.seed_cost(3, False, NO_SPEC, 0.010)
-    for arm in arms:  # per token far below (or above) an autoregressive step
-        eng.adaptive.arms.seed_cost(3, False, arm, 0.001 if drafts_once_full else 0.100)
-    caught: list[int] = []
-    catch_up = eng.drafter.catch_up
-    eng.drafter.catch_up = lambda seqs: caught.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
+    eng, caught = _filling_engine(small_vocab_dir, drafts_once_full)
+    assert eng.adaptive is not None
     # One chunk each, longer than a steady step's catch-up rows (shorter prompts need none).
     for i in range(3):
         eng.add_request(f"r{i}", [5, 1, 4, 2, 3, 0, 2, 1] * 3, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))

@@ -124,26 +124,25 @@ def test_the_snapshots_arm_costs_carry_the_yield_the_choice_counts_on(small_voca
 
 @pytest.mark.parametrize("drafted", [True, False])
 def test_a_prompt_is_caught_up_in_its_prefill_while_the_engine_drafts(small_vocab_dir: Path, drafted: bool) -> None:
-    """After a drafting step, a new prompt's MTP modules are caught up in its prefill (its first
-    decode step is a steady graphed step); after an autoregressive one they are left behind
-    (no catch-up where autoregressive decoding wins)."""
+    """A new prompt joining a batch whose last step drafted is caught up in its prefill (its
+    first decode step is a steady graphed step); after an autoregressive step it is left
+    behind (no catch-up where autoregressive decoding wins)."""
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
                                     engine_config=EngineConfig(cuda_graphs=True, max_batch_size=4))  # fmt: skip
     assert eng.adaptive is not None and eng.graphed_tree is not None
     tree = eng.graphed_tree.budget
     eng.adaptive.forced = tree if drafted else NO_SPEC
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    eng.add_request("first", [3, 1, 4, 1, 5], sp)
-    while eng.has_unfinished_requests():
+    eng.add_request("first", [3, 1, 4, 1, 5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(3):  # its prefill and two decode steps
         eng.step()
     eng.adaptive.forced = tree
-    eng.add_request("second", [2, 5, 1, 0, 2, 3], sp)
-    eng.step()  # the prefill alone
+    eng.add_request("second", [2, 5, 1, 0, 2, 3], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    eng.step()  # its prefill (and the first request's step)
     seq = eng.sequence("second")
     assert seq is not None and seq.num_committed == 6
     assert eng.graphed_tree.eligible(seq) == drafted
     eng.step()
-    assert eng._step_caught_up != drafted  # the first decode step caught up only if the prefill did not
+    assert eng._step_caught_up != drafted  # its first decode step caught up only if the prefill did not
 
 
 def test_prompts_admitted_together_are_left_to_the_choice(small_vocab_dir: Path) -> None:
