@@ -1,8 +1,17 @@
 """One timed batch through ``LLMEngine``, driven step by step to collect per-step timings.
 
-``generate()`` would hide the step loop; here each ``step()`` is timed on the host clock (after a
-device synchronisation on GPU), and the engine's ``last_timings`` (draft / verify / rollback of
-the last speculative step; replaced by a new object on every speculative step) are summed.
+``generate()`` would hide the step loop; here each ``step()`` is timed on the host clock, and the
+engine's ``last_timings`` (draft / verify / rollback of the last speculative step; replaced by a
+new object on every speculative step) are summed.
+
+The device is synchronised before the first request and after the last step, not after every
+step: a serving loop does not wait for a step's trailing device work (a speculative step's
+rollback and advance, a prefill's MTP catch-up, the zeroing of finished requests' KV blocks)
+before it plans the next step, and an engine reads what it needs (the sampled or accepted
+tokens) where it needs it. So a step's time on the host clock may include device work queued by
+the step before it; the run's wall time includes all of it. Until session 25 the benchmark
+synchronised after every step, which kept that trailing work from overlapping the next step's
+host work.
 """
 
 from __future__ import annotations
@@ -77,7 +86,6 @@ def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParam
         before = eng.last_timings
         s0 = time.perf_counter()
         outs = eng.step()
-        synchronize(eng.device)
         now = time.perf_counter()
         if any(o.step_drafted is not None for o in outs):
             run.decode_steps += 1
@@ -99,6 +107,7 @@ def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParam
                 n = len(out.token_ids)
                 run.tpot_s[i] = (now - first[out.request_id]) / (n - 1) if n > 1 else 0.0
                 _add_stats(run, out.stats)
+    synchronize(eng.device)  # the last step's trailing device work belongs to the run
     run.wall_s = time.perf_counter() - t0
     if eng.adaptive is not None:
         ran = eng.adaptive.steps_per_arm - arms_before
