@@ -30,6 +30,7 @@ from bench.modes import build_modes
 from bench.prompts import batch_of, load_prompts
 from bench.records import add_costs, add_speedups, calibration_rows, empty_record, make_record
 from bench.stall_probe import StallProbe, stall_text
+from engine.gc_tuning import settle_heap
 from engine.model.loader import parse_dtype
 
 
@@ -62,8 +63,9 @@ class OfflineSettings:
     # Milliseconds of matrix products on the GPU right before every run (warm-up included), so
     # that each begins at the boost clock a GPU under load keeps (``bench.gpu_clock``); 0: none.
     spin_ms: float = 0.0
-    # Once the timed engines are built, keep the cyclic GC off every object alive (as the server
-    # does): for a process that runs one sweep (the CLI), not for a test session.
+    # Once the timed engines are built, keep the cyclic GC off every object alive and collect
+    # young objects less often (``engine.gc_tuning``, as the server does): for a process that
+    # runs one sweep (the CLI), not for a test session.
     freeze_gc: bool = False
 
 
@@ -212,8 +214,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
             _log(f"built {c.mode.label} in {sum(c.engine.startup_seconds.values()):.1f} s "
                  f"({time.monotonic() - t_start:.0f} s since the start)")
     if s.freeze_gc:
-        gc.collect()
-        gc.freeze()
+        settle_heap()
     for label, reason in skipped.items():
         _log(f"mode {label}: skipped ({reason})")
 

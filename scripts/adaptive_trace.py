@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import pstats
 import time
 
@@ -33,6 +32,7 @@ from bench.engine_run import run_batch, synchronize
 from bench.prompts import load_prompts
 from bench.stall_probe import StallProbe, describe
 from engine import LLMEngine, SamplingParams, SpecConfig
+from engine.gc_tuning import settle_heap
 from engine.spec.adaptive import budget_label
 
 
@@ -130,8 +130,7 @@ def main() -> None:
     probe = StallProbe(args.device).install()
     _traced(adaptive, trace, probe)
     _timed(base, base_trace, probe)
-    gc.collect()
-    gc.freeze()
+    settle_heap()  # as the benchmark and the server do
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for batch in batches:
             batch_prompts = prompts[:batch]

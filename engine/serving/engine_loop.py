@@ -16,7 +16,6 @@ Terms:
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import queue
 import threading
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.gc_tuning import settle_heap
 from engine.serving.observer import LoopObserver, LoopStats, NullObserver
 from engine.serving.request_stream import (
     LoopClosed,
@@ -236,8 +236,7 @@ class EngineLoop:
             self._ready.set()
             return
         if self._freeze_gc:
-            gc.collect()
-            gc.freeze()
+            settle_heap()
         self.accepting = True
         self._ready.set()
         try:
