@@ -21,10 +21,10 @@ import gc
 GEN0_THRESHOLD = 20_000
 
 
-def settle_heap(gen0_threshold: int = GEN0_THRESHOLD) -> None:
+def settle_heap() -> None:
     """Collect, freeze every object alive and raise the youngest generation's threshold (the
     older generations' stay). Process-wide: for a process that serves one engine."""
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(gen0_threshold, gen1, gen2)
+    gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)

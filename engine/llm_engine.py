@@ -705,9 +705,10 @@ class LLMEngine:
                 # chunks: its second was caught up or not as the previous batch's last step had
                 # drafted, and if not, the first drafting step caught 64 prompts up in ~6.5 ms,
                 # against ~2.3 ms in the prefill).
+                # (Sequences in prefill have taken no decode step: ``num_steps`` counts a turn's.)
                 alone = (not self.scheduler.num_waiting and len(finishing) == len(work)
                          and not any(s.in_prefill for s in self.scheduler.running)
-                         and self._joins_decoding_batch(work))
+                         and any(s.stats.num_steps for s in self.scheduler.running))
                 drafting = self._last_drafting if alone else self._filled_batch_drafts()
             runners = self._graphed_steps(drafting) if drafting is not None else []
             if runners and self.drafter is not None:
@@ -717,12 +718,6 @@ class LLMEngine:
                 ]  # fmt: skip
                 if ready:
                     self.drafter.catch_up(ready)
-
-    def _joins_decoding_batch(self, work: list[tuple[Sequence, int]]) -> bool:
-        """Whether a running sequence other than those prefilled in ``work`` has taken a decode
-        step (``work``'s sequences join a batch that decodes, whose last step's choice holds)."""
-        joining = {id(seq) for seq, _ in work}
-        return any(s.stats.num_steps for s in self.scheduler.running if id(s) not in joining)
 
     def _filled_batch_drafts(self) -> TreeBudget | None:
         """The drafting arm the batch being filled (the running sequences and those waiting,
