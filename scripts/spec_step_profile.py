@@ -71,28 +71,37 @@ def arm_table(eng: LLMEngine, contexts: list[int]) -> list[dict]:
 
 
 def profile_point(
-    eng: LLMEngine, batch: int, context: int, arm: TreeBudget, steps: int = 3, sequence: bool = False
+    eng: LLMEngine, batch: int, context: int, arm: TreeBudget, steps: int = 3, sequence: bool = False,
+    temperature: float = 0.0, changing: bool = False, host_profile: bool = False,
 ) -> tuple[dict, str]:
     """Steady steps of ``arm`` forced over ``batch`` random prompts of ``context`` tokens;
-    ``sequence``: also list one step's kernels in launch order."""
+    ``sequence``: also list one step's kernels in launch order; ``temperature``: the requests'
+    (0: greedy); ``changing``: request ``i`` may generate ``16 + 2 i`` tokens, and the
+    steps are timed from the first one after a request finished: most steps' batch is not the
+    last one's; ``host_profile``: cProfile the profiled steps again and
+    list the host functions taking the most time."""
     from torch.profiler import ProfilerActivity, profile
 
     adaptive = eng.adaptive
     assert adaptive is not None
     vocab = eng.model_config.vocab_size
     gen = torch.Generator().manual_seed(batch * 1000 + context)
-    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    ids = [f"prof-{batch}-{context}-{budget_label(arm)}-{i}" for i in range(batch)]
+    ids = [f"prof-{batch}-{context}-{budget_label(arm)}-{temperature}-{changing}-{i}" for i in range(batch)]
     try:
         adaptive.forced = NO_SPEC
-        for rid in ids:
+        for i, rid in enumerate(ids):
+            sp = SamplingParams(max_tokens=16 + 2 * i if changing else 200, temperature=temperature,
+                                ignore_eos=True)  # fmt: skip
             eng.add_request(rid, torch.randint(3, vocab, (context,), generator=gen).tolist(), sp)
         while eng.num_waiting or any(s.in_prefill for s in map(eng.sequence, ids) if s is not None):
             eng.step()
         adaptive.forced = arm
         for _ in range(4):  # the catch-up after the prefill, then steady steps
             eng.step()
+        while changing and eng.num_running == batch:  # until the first request finishes
+            eng.step()
         _sync(eng.device)
+        running = eng.num_running
         t0 = time.perf_counter()
         for _ in range(steps):
             eng.step()
@@ -103,6 +112,7 @@ def profile_point(
             for _ in range(steps):
                 eng.step()
             _sync(eng.device)
+        host_lines = _host_profile(eng, steps) if host_profile else []
     finally:
         adaptive.forced = None
         for rid in ids:
@@ -114,12 +124,14 @@ def profile_point(
     top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:25]
     row = {
         "batch": batch, "context": context, "arm": budget_label(arm), "wall_ms": round(wall_ms, 3),
+        "temperature": temperature, "changing": changing, "running_at_start": running,
         "kernels_per_step": len(kernels) / steps,
         "device_ms_per_step": round(sum(e.device_time for e in kernels) / 1e3 / steps, 3),
         "top_kernels": [{"name": name[:90], "calls_per_step": len(t) / steps,
                          "us_per_step": round(sum(t) / steps, 1)} for name, t in top],  # fmt: skip
     }
-    lines = [f"==== batch {batch} context {context} {row['arm']}: wall {row['wall_ms']} ms, "
+    lines = [f"==== batch {batch} context {context} {row['arm']} T={temperature}"
+             f"{f' changing batch from {running}' if changing else ''}: wall {row['wall_ms']} ms, "
              f"device {row['device_ms_per_step']} ms, {row['kernels_per_step']:.0f} kernels per step"]
     lines += [f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:6.1f}x  {k['name']}" for k in row["top_kernels"]]
     if sequence and len(kernels) >= steps:
@@ -131,7 +143,24 @@ def profile_point(
         lines.append(f"---- one step's kernels in order ({per_step}): start offset us, duration us, name")
         t0 = last[0].time_range.start
         lines += [f"  {e.time_range.start - t0:9.1f} {e.device_time:7.1f}  {e.name[:110]}" for e in last]
-    return row, "\n".join(lines) + "\n"
+    return row, "\n".join(lines + host_lines) + "\n"
+
+
+def _host_profile(eng: LLMEngine, steps: int) -> list[str]:
+    """The host functions taking the most time over ``steps`` more steps (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    _sync(eng.device)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return [f"---- host profile of {steps} more steps (top 25 by own time)", text.getvalue()]
 
 
 def attention_sweep(model_cfg: ModelConfig, block_size: int) -> list[dict]:
@@ -175,7 +204,12 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--contexts", default="8,64,160,400")
     parser.add_argument("--profile", default="256:128:chain,256:128:none,256:128:tree,1:64:tree,1:64:none",
-                        help="batch:context:arm points to profile (arm: none, chain, tree)")
+                        help="batch:context:arm[:temperature[:changing]] points to profile (arm: none, "
+                             "chain, tree; the temperature and 'changing' override the flags)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="of the profiled requests")
+    parser.add_argument("--changing", action="store_true",
+                        help="requests finish one per step: no step's batch is the last one's")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile each point's steps too")
     parser.add_argument("--sequence", action="store_true",
                         help="also list each profiled step's kernels in launch order")
     parser.add_argument("--no-sweep", action="store_true",
@@ -186,14 +220,19 @@ def main() -> None:
     t0 = time.perf_counter()
     eng = random_adaptive_engine(args.random_preset, device, args.max_batch)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
-    tree, chain = sorted(eng.graphed_budgets(False), key=lambda b: -b.topk)[:2]
-    arms = {"none": NO_SPEC, "chain": chain, "tree": tree}
+    arms = {}
+    for sampled in (False, True):
+        tree, chain = sorted(eng.graphed_budgets(sampled), key=lambda b: -b.topk)[:2]
+        arms[sampled] = {"none": NO_SPEC, "chain": chain, "tree": tree}
     result: dict = {"preset": args.random_preset, "device": str(device)}
     text = []
     result["profiles"] = []
     for point in args.profile.split(","):
-        b, ctx, arm = point.split(":")
-        row, table = profile_point(eng, int(b), int(ctx), arms[arm], sequence=args.sequence)
+        b, ctx, arm, *rest = point.split(":")
+        temperature = float(rest[0]) if rest else args.temperature
+        changing = rest[1:] == ["changing"] or args.changing
+        row, table = profile_point(eng, int(b), int(ctx), arms[temperature > 0][arm], sequence=args.sequence,
+                                   temperature=temperature, changing=changing, host_profile=args.host_profile)
         print(table, flush=True)
         result["profiles"].append(row)
         text.append(table)
