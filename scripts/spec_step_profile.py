@@ -122,6 +122,13 @@ def profile_point(
     for e in kernels:
         per_kernel.setdefault(e.name, []).append(e.device_time)
     top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:25]
+    # The CUDA runtime calls' host time: a launch or copy that blocks (a graph launch behind a
+    # full queue, a copy from pageable memory, an allocation) shows here, not among the kernels.
+    per_call: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CPU" and e.name.startswith("cuda"):
+            per_call.setdefault(e.name, []).append(e.cpu_time_total)
+    calls = sorted(per_call.items(), key=lambda kv: -sum(kv[1]))[:10]
     row = {
         "batch": batch, "context": context, "arm": budget_label(arm), "wall_ms": round(wall_ms, 3),
         "temperature": temperature, "changing": changing, "running_at_start": running,
@@ -129,11 +136,16 @@ def profile_point(
         "device_ms_per_step": round(sum(e.device_time for e in kernels) / 1e3 / steps, 3),
         "top_kernels": [{"name": name[:90], "calls_per_step": len(t) / steps,
                          "us_per_step": round(sum(t) / steps, 1)} for name, t in top],  # fmt: skip
+        "runtime_calls": [{"name": name, "calls_per_step": len(t) / steps, "host_us_per_step": round(sum(t) / steps, 1),
+                           "max_us": round(max(t), 1)} for name, t in calls],  # fmt: skip
     }
     lines = [f"==== batch {batch} context {context} {row['arm']} T={temperature}"
              f"{f' changing batch from {running}' if changing else ''}: wall {row['wall_ms']} ms, "
              f"device {row['device_ms_per_step']} ms, {row['kernels_per_step']:.0f} kernels per step"]
     lines += [f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:6.1f}x  {k['name']}" for k in row["top_kernels"]]
+    lines.append("---- CUDA runtime calls: host us per step, calls per step, longest call us")
+    lines += [f"  {c['host_us_per_step']:9.1f} us  {c['calls_per_step']:6.1f}x  max {c['max_us']:8.1f}  {c['name']}"
+              for c in row["runtime_calls"]]  # fmt: skip
     if sequence and len(kernels) >= steps:
         # One step's kernels in launch order (the last profiled step): which of them are the
         # drafting depths' glue, the verify, the acceptance; gaps are idle device time.
