@@ -67,6 +67,8 @@ class OfflineSettings:
     # young objects less often (``engine.gc_tuning``, as the server does): for a process that
     # runs one sweep (the CLI), not for a test session.
     freeze_gc: bool = False
+    # Every engine's ``EngineConfig.overlap_steps`` (None: on a GPU, off on a CPU).
+    overlap_steps: bool | None = None
 
 
 def _log(msg: str) -> None:
@@ -203,7 +205,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     max_batch = max(s.batch_sizes)
     meta = run_metadata(s.device, s.model)
     base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
-                     s.kv_memory_mb)
+                     s.kv_memory_mb, s.overlap_steps)
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
                                    s.num_prompts or max_batch, s.prompt_tokens)
     modes = build_modes(s.modes, s.tree_budgets)

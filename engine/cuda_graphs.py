@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from engine.batch_builder import SeqRows
-from engine.host_tensor import int_table, int_tensor, to_device
+from engine.host_tensor import copy_to_device, int_table, int_tensor, to_device
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -140,8 +140,8 @@ class _Static:
                  for table, p in zip(tables, contexts, strict=True)]  # fmt: skip
         width = max(len(t) for t in tables)
         host = int_tensor(tokens + contexts + slots).view(3, b)  # [3, b]
-        self.id_pos_slot[:, :b].copy_(host, non_blocking=True)  # see ``host_tensor.to_device``
-        self.tables[:b, :width].copy_(int_table(tables, width, -1), non_blocking=True)
+        copy_to_device(self.id_pos_slot[:, :b], host)
+        copy_to_device(self.tables[:b, :width], int_table(tables, width, -1))
         if width < self.tables.shape[1]:
             self.tables[:b, width:].fill_(-1)
         self.ctx[:b].copy_(self.positions[:b])
@@ -181,13 +181,12 @@ class _Static:
             if k > 1 and not torch.equal(r.mask, self.pad_mask_host[:k, :k]):
                 mask[i, :k, :k] = r.mask
         n_all = b * t
-        # Unsynchronised copies from pageable memory (see ``host_tensor.to_device``).
-        self.ids[:n_all].copy_(int_tensor(ids), non_blocking=True)
-        self.positions[:n_all].copy_(entry.flatten(), non_blocking=True)
-        self.slots[:n_all].copy_(slots.flatten(), non_blocking=True)
-        self.tables[:b].copy_(table, non_blocking=True)
-        self.ctx[:b].copy_(ctx.flatten().to(torch.int32), non_blocking=True)
-        self.mask[:n_all].copy_(mask.view(n_all, t), non_blocking=True)
+        copy_to_device(self.ids[:n_all], int_tensor(ids))
+        copy_to_device(self.positions[:n_all], entry.flatten())
+        copy_to_device(self.slots[:n_all], slots.flatten())
+        copy_to_device(self.tables[:b], table)
+        copy_to_device(self.ctx[:b], ctx.flatten().to(torch.int32))
+        copy_to_device(self.mask[:n_all], mask.view(n_all, t))
         self._pad_unused(b)
 
 

@@ -25,6 +25,7 @@ from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.cuda_graphs import DEFAULT_PREFILL_TOKENS, StaticTargetForward
 from engine.kv.block_pool import BlockPool, KVCacheFull
 from engine.kv.compaction import compact_and_zero
+from engine.launch_ahead import ARLaunch, may_continue, rows_within
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -34,6 +35,7 @@ from engine.params import DEFAULT_PREFILL_CHUNK, EngineConfig, SamplingParams, S
 from engine.sampling import (
     SamplingTensors,
     apply_penalties,
+    draw_rows,
     make_generator,
     probs_from_logits,
     sample_from_probs,
@@ -46,7 +48,7 @@ from engine.sequence import SeqStatus, Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
-from engine.spec.adaptive import AdaptiveController, budget_label, calibrate_catch_up
+from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_catch_up import GraphedCatchUp
@@ -167,6 +169,9 @@ class LLMEngine:
         # budget first (``graphed_tree`` / ``graphed_sampled``).
         self._graphed_runners: list[GraphedTreeStep] = []
         self._last_runner: GraphedTreeStep | None = None  # the last to take a graphed step
+        overlap = engine_config.overlap_steps
+        self.overlap_steps = device.type == "cuda" if overlap is None else overlap
+        self._ahead: GraphedTreeStep | ARLaunch | None = None  # a step launched ahead (``_read_ahead``)
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
@@ -528,6 +533,10 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         self._steps_since_arrival += 1
+        if self._ahead is not None:
+            read = self._read_ahead(self._ahead)
+            if read is not None:
+                return read
         plan = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if plan.prefill:
@@ -562,18 +571,19 @@ class LLMEngine:
             if budget.speculates:
                 self._hidden_log.flush()
                 host = decode
+                ahead = not plan.prefill and self._may_launch_ahead(decode)
                 for runner in self._graphed_steps(budget):
                     if not host:
                         break
                     graphed, host = self._split_graphed(runner, host)
                     if graphed:
-                        self._graphed_step(runner, graphed, outputs)
+                        self._graphed_step(runner, graphed, outputs, ahead and not host)
                         self._last_runner = runner
                 if host:
                     self._speculative_step(host, budget, outputs)
                     host_step = True
             else:
-                self._autoregressive_step(decode, outputs)
+                self._autoregressive_step(decode, outputs, not plan.prefill and self._may_launch_ahead(decode))
             if self.adaptive is not None and timed:
                 # Autoregressive and graphed steps end on a read of their last device result (the
                 # sampled tokens, the packed outputs), so the clock already covers their device
@@ -592,9 +602,65 @@ class LLMEngine:
                     self.adaptive.observe_catch_up(len(decode), budget, seconds, lag, sampled)
                 else:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
-                if budget.speculates:
-                    steps, expected = self._yield_clock
-                    self._yield_clock = (steps + 1, expected + self.adaptive.arms.mean_yield(sampled, budget))
+                self._tick_yield_clock(budget, sampled)
+        return outputs
+
+    def _tick_yield_clock(self, budget: TreeBudget, sampled: bool) -> None:
+        """Count a drafting step and the tokens per sequence it was expected to yield."""
+        if self.adaptive is not None and budget.speculates:
+            steps, expected = self._yield_clock
+            self._yield_clock = (steps + 1, expected + self.adaptive.arms.mean_yield(sampled, budget))
+
+    def _may_launch_ahead(self, decode: list[Sequence]) -> bool:
+        """Whether a decode step over ``decode`` (no prefill with it) may launch the next step
+        before its host work: steps overlap, no request waits or is in its prefill (the next
+        step would not be this batch's again), and no sequence keeps its blocks (a session's:
+        what the launched step wrote past a stop would stay in them)."""
+        return (self.overlap_steps and not self.scheduler.num_waiting
+                and len(decode) == self.scheduler.num_running
+                and all(s.session_id is None for s in decode))  # fmt: skip
+
+    def _read_ahead(self, launched: GraphedTreeStep | ARLaunch) -> list[RequestOutput] | None:
+        """A step whose work the device has had since the last step's host work began: read
+        it over the sequences of its batch still decoding, and launch the next one if the batch
+        still may (``_may_launch_ahead``) and adaptive speculation would choose its budget again
+        (else the next step chooses anew). None if none of them decodes any more: this engine
+        step then takes the usual course."""
+        self._ahead = None
+        runner = launched if isinstance(launched, GraphedTreeStep) else None
+        batch = runner.launched_ahead if runner is not None else launched.seqs  # type: ignore[union-attr]
+        assert batch is not None
+        seqs = [s for s in batch if s.status is SeqStatus.RUNNING]
+        if not seqs:
+            if runner is not None:
+                runner.discard_ahead()
+            return None
+        outputs: list[RequestOutput] = []
+        self._step_tokens = 0
+        self._step_caught_up, self._catch_up_s = False, None
+        closed = not self.scheduler.num_waiting and (
+            self.closed_workload or self._steps_since_arrival >= QUIET_STEPS_FOR_CLOSED
+        )
+        budget = self.budget if runner is None else runner.budget
+        if runner is None and self.adaptive is not None:
+            budget = NO_SPEC
+        ahead = self._may_launch_ahead(seqs)
+        sampled = False
+        if self.adaptive is not None:
+            chosen, _, sampled = self._choose_budget(seqs, False, closed)
+            ahead = ahead and chosen == budget
+        start = time.perf_counter()
+        if runner is not None:
+            self._graphed_step(runner, seqs, outputs, ahead)
+            self._last_drafting, self._last_runner = runner.budget, runner
+        else:
+            assert isinstance(launched, ARLaunch)
+            self._autoregressive_step(seqs, outputs, ahead, launched)
+            self._last_drafting = None
+        if self.adaptive is not None:
+            self.adaptive.observe(len(seqs), budget, time.perf_counter() - start, self._step_tokens, sampled)
+            self._tick_yield_clock(budget, sampled)
+        self.last_decode_budget = budget_label(budget)
         return outputs
 
     def wait_for_device(self) -> None:
@@ -732,25 +798,28 @@ class LLMEngine:
         return self.adaptive.drafting_arm(self, len(seqs), sampled, lag, left, self.closed_workload)
 
     # ------------------------------------------------------------------ decode
-    def _autoregressive_step(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
-        # Each table lists the blocks up to the new token's only: a sequence reserves blocks
-        # for its whole max_tokens and a draft's scratch, and building the step's tables is
-        # per-block host work (an adaptive engine reserves a tree's scratch more than the
-        # autoregressive baseline, and its autoregressive steps paid for it).
-        bs = self.pool.block_size
-        tables = [seq.block_ids[: seq.num_committed // bs + 1] for seq in seqs]
-        static = self.static_forward
-        if static is not None and static.decode_fits(len(seqs), max(map(len, tables))):
-            # Straight into the captured step's inputs (two copies to the device, no batch).
-            hidden = static.run_decode([seq.tokens[-1] for seq in seqs], tables,
-                                       [seq.num_committed for seq in seqs])  # fmt: skip
+    def _autoregressive_step(
+        self, seqs: list[Sequence], outputs: list[RequestOutput], ahead: bool = False,
+        launched: ARLaunch | None = None,
+    ) -> None:
+        """One token per sequence. ``launched``: the step was launched ahead over a batch of
+        which ``seqs`` are those still decoding: it is read. ``ahead``: the next step is
+        launched before this one's host work (``engine.launch_ahead``), where it may be."""
+        if launched is None:
+            hidden = self._decode_hidden(seqs, [seq.tokens[-1] for seq in seqs], [seq.num_committed for seq in seqs])
+            tokens = self._sample_rows(seqs, self.model.logits(hidden))
         else:
-            rows = [SeqRows(table, seq.num_committed, [seq.tokens[-1]], [seq.num_committed], causal_mask(1))
-                    for seq, table in zip(seqs, tables, strict=True)]  # fmt: skip
-            ids, batch = build_batch(rows, bs, self.device)
-            hidden = self._forward_target(ids, batch, 1)
-        logits = self.model.logits(hidden)
-        tokens = self._sample_rows(seqs, logits)
+            rows = rows_within(seqs, launched.seqs)
+            if launched.ok is None:  # greedy
+                drawn = launched.tokens.tolist()  # the step's one device -> host copy
+            else:
+                drawn, ok = torch.stack([launched.tokens, launched.ok.long()]).tolist()
+                if not all(ok[r] for r in rows):
+                    raise ValueError("probs has a row with no positive mass")
+            tokens = [drawn[r] for r in rows]
+            hidden = launched.hidden if len(rows) == len(launched.seqs) else launched.hidden[rows]
+        if ahead and self._may_launch_ahead_autoregressive(seqs):
+            self._ahead = self._launch_autoregressive(seqs, tokens)
         for i, seq in enumerate(seqs):
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
@@ -758,6 +827,53 @@ class LLMEngine:
             self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0)
         if self.drafter is not None:  # after the commits (see HiddenLog); no per-sequence work
             self._hidden_log.append(seqs, hidden)
+
+    def _decode_hidden(self, seqs: list[Sequence], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """The target's hidden states [B, H] of ``tokens[i]`` at ``positions[i]`` of ``seqs[i]``
+        (its context up to there committed)."""
+        # Each table lists the blocks up to the new token's only: a sequence reserves blocks
+        # for its whole max_tokens and a draft's scratch, and building the step's tables is
+        # per-block host work (an adaptive engine reserves a tree's scratch more than the
+        # autoregressive baseline, and its autoregressive steps paid for it).
+        bs = self.pool.block_size
+        tables = [seq.block_ids[: p // bs + 1] for seq, p in zip(seqs, positions, strict=True)]
+        static = self.static_forward
+        if static is not None and static.decode_fits(len(seqs), max(map(len, tables))):
+            # Straight into the captured step's inputs (two copies to the device, no batch).
+            return static.run_decode(tokens, tables, positions)
+        rows = [SeqRows(table, p, [token], [p], causal_mask(1))
+                for table, token, p in zip(tables, tokens, positions, strict=True)]  # fmt: skip
+        ids, batch = build_batch(rows, bs, self.device)
+        return self._forward_target(ids, batch, 1)
+
+    def _may_launch_ahead_autoregressive(self, seqs: list[Sequence]) -> bool:
+        """Whether the autoregressive step after this one (read, not yet committed) may be
+        launched now: one sampling mode for the whole batch, drawn on the device (all greedy,
+        or all sampled; no penalties), a block for every sequence's next position, and a
+        sequence that has not reached ``max_tokens`` with this step's token."""
+        bs, limit = self.pool.block_size, self.max_model_len
+        greedy = seqs[0].sampling.greedy
+        return (all(s.sampling.greedy is greedy and not s.sampling.has_penalties
+                    and (s.num_committed + 1) // bs < len(s.block_ids) and s.num_committed + 1 < limit
+                    for s in seqs)
+                and may_continue(seqs, 2))  # fmt: skip
+
+    def _launch_autoregressive(self, seqs: list[Sequence], tokens: list[int]) -> ARLaunch:
+        """Queue the next autoregressive step over ``seqs``, whose tokens ``tokens`` were just
+        drawn (their commits not yet made): its tokens stay on the device until it is read."""
+        hidden = self._decode_hidden(seqs, tokens, [s.num_committed + 1 for s in seqs])
+        logits = self.model.logits(hidden)  # [B, V]
+        if seqs[0].sampling.greedy:
+            return ARLaunch(list(seqs), hidden, logits.argmax(dim=-1), None)
+        params = [s.sampling for s in seqs]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            st = SamplingTensors.from_params(params, logits.device)
+            probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p, filters=True)
+        else:
+            probs = temperature_probs(logits, [p.temperature for p in params])
+        drawn, ok = draw_rows(probs, [s.generator if p.seed is not None else None
+                                      for s, p in zip(seqs, params, strict=True)])  # fmt: skip
+        return ARLaunch(list(seqs), hidden, drawn, ok)
 
     def _speculative_step(
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
@@ -862,11 +978,14 @@ class LLMEngine:
         return graphed, [s for s in seqs if id(s) not in chosen]
 
     def _graphed_step(
-        self, runner: GraphedTreeStep, seqs: list[Sequence], outputs: list[RequestOutput]
+        self, runner: GraphedTreeStep, seqs: list[Sequence], outputs: list[RequestOutput], ahead: bool = False
     ) -> None:
-        """Tree speculation as two graph replays (see engine/spec/graphed_tree.py)."""
+        """Tree speculation as graph replays (see engine/spec/graphed_tree.py); ``ahead``: the
+        next step over ``seqs`` is launched before this one's host work (``GraphedTreeStep.run``)."""
         t0 = time.perf_counter()
-        results, timing = runner.run(seqs)
+        results, timing = runner.run(seqs, ahead)
+        if runner.launched_ahead is not None:
+            self._ahead = runner
         elapsed = time.perf_counter() - t0
         drafted = runner.N
         width = runner.budget.topk

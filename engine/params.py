@@ -120,6 +120,10 @@ class EngineConfig:
     # Adaptive speculation on the graphed path: time every captured arm at every batch bucket at
     # start-up (engine.spec.arm_calibration). None: on CUDA, off on CPU (tests turn it on).
     calibrate_arms: bool | None = None
+    # A steady decode step launches the next one before its host work (commits, stop checks,
+    # outputs, the next scheduling), so the device runs one while the host does the other.
+    # None: on CUDA, off on CPU (tests turn it on; on a CPU nothing overlaps).
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -200,6 +200,16 @@ def sample_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> 
     rows whose generator is None (unseeded requests) draw from the device's default generator,
     all in one kernel. The rows share one max and one device-to-host copy.
     """
+    tokens, ok = draw_rows(probs, generators)
+    out = torch.stack([tokens, ok.long()]).tolist()
+    if not all(out[1]):
+        raise ValueError("probs has a row with no positive mass")
+    return [int(t) for t in out[0]]
+
+
+def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
+    """``sample_rows`` left on the device: the tokens [R] and whether each row had positive
+    mass [R] bool (the caller checks it when it reads the tokens)."""
     if probs.dim() != 2 or probs.shape[0] != len(generators):
         raise ValueError(f"probs must be [R, V] with one generator per row, got {tuple(probs.shape)}")
     exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)  # [R, V]
@@ -209,10 +219,7 @@ def sample_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> 
     for r, gen in seeded:  # (not a walk over every row's view: unseeded batches have none)
         exp[r].exponential_(generator=gen)
     best, tokens = (probs.float() / exp.clamp_(min=_TINY)).max(dim=-1)  # [R] x2
-    out = torch.stack([tokens, (best > 0).long()]).tolist()
-    if not all(out[1]):
-        raise ValueError("probs has a row with no positive mass")
-    return [int(t) for t in out[0]]
+    return tokens, best > 0
 
 
 def sample_without_replacement(probs: Tensor, k: int, generator: torch.Generator) -> list[int]:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from engine.cuda_graphs import capture_or_run_eagerly
-from engine.host_tensor import int_table, int_tensor
+from engine.host_tensor import copy_to_device, int_table, int_tensor, to_device
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM, mtp_band_mask
@@ -236,11 +236,6 @@ class GraphedCatchUp:
         self.pool.kv_cache[layers].index_fill_(1, self._scratch_index, 0)
 
     # ------------------------------------------------------------------ runs
-    def _staged(self, host: Tensor) -> Tensor:
-        """``host`` in pinned memory when the buffers are on CUDA (PyTorch's host allocator keeps
-        it until the asynchronous copy from it is done), as it is otherwise."""
-        return host.pin_memory() if self.device.type == "cuda" else host
-
     def _tables(self, seqs: list[Sequence], slots: int) -> Tensor:
         """Block tables of ``seqs``, then of the padding's dummy sequences up to ``slots``:
         ``[slots, max_blocks]`` int32 on the host."""
@@ -329,8 +324,8 @@ class GraphedCatchUp:
         unused = S - len(work)
         windows += [0] * (W * unused)
         meta += [0] * (4 * k * unused)
-        buf.fused_in.copy_(self._staged(int_tensor(windows + meta)), non_blocking=True)
-        buf.tables.copy_(self._staged(self._tables([seq for seq, _ in work], S)), non_blocking=True)
+        copy_to_device(buf.fused_in, int_tensor(windows + meta))
+        copy_to_device(buf.tables, self._tables([seq for seq, _ in work], S))
         if firsts:
             rows = firsts[0] if len(firsts) == 1 else torch.cat(firsts)  # [sum n_1, H]
             buf.prev[: rows.shape[0]].copy_(rows)
@@ -389,11 +384,11 @@ class GraphedCatchUp:
         meta += [0, 0] * unused
         # Copies from pinned memory do not wait for the device: the previous module's replay
         # runs while these inputs are built (a copy from pageable memory waits for it first).
-        buf.ids.copy_(self._staged(int_tensor(ids)), non_blocking=True)
-        buf.meta.copy_(self._staged(int_tensor(meta).view(S, 2)), non_blocking=True)
-        buf.tables.copy_(self._staged(self._tables([seq for seq, _, _ in work], S)), non_blocking=True)
-        dest = self._staged(int_tensor(list(itertools.chain.from_iterable(
-            range(i * R, i * R + n) for i, n in enumerate(counts))))).to(self.device, non_blocking=True)  # fmt: skip
+        copy_to_device(buf.ids, int_tensor(ids))
+        copy_to_device(buf.meta, int_tensor(meta).view(S, 2))
+        copy_to_device(buf.tables, self._tables([seq for seq, _, _ in work], S))
+        dest = to_device(int_tensor(list(itertools.chain.from_iterable(
+            range(i * R, i * R + n) for i, n in enumerate(counts)))), self.device)  # fmt: skip
         prevs = [prev for _, _, prev in work]
         buf.prev.index_copy_(0, dest, prevs[0] if len(prevs) == 1 else torch.cat(prevs))
         graph = buf.graphs.get(module)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engine.host_tensor import copy_to_device
 from engine.kv.block_pool import BlockPool
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.params import SamplingParams
@@ -106,10 +107,9 @@ class GraphedSampledTree(GraphedTreeStep):
     def _load_sampling(self, buf: _Buffers, seqs: list[Sequence]) -> None:
         n = len(seqs)
         params = [s.sampling for s in seqs]
-        # Unsynchronised copies from pageable memory (see ``host_tensor.to_device``).
-        buf.temperature[:n].copy_(torch.tensor([p.temperature for p in params]), non_blocking=True)
-        buf.top_k[:n].copy_(torch.tensor([p.top_k for p in params]), non_blocking=True)
-        buf.top_p[:n].copy_(torch.tensor([p.top_p for p in params]), non_blocking=True)
+        copy_to_device(buf.temperature[:n], torch.tensor([p.temperature for p in params]))
+        copy_to_device(buf.top_k[:n], torch.tensor([p.top_k for p in params]))
+        copy_to_device(buf.top_p[:n], torch.tensor([p.top_p for p in params]))
         self.variant = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 
     def _probs(self, buf: _Buffers, logits: Tensor) -> Tensor:  # [B, R, V] -> [B, R, V] float32

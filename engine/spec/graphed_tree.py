@@ -45,6 +45,7 @@ from engine.host_tensor import int_tensor, to_device
 from engine.kernels import run_kernel, triton_available
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.kv.compaction import commit_tree_kv
+from engine.launch_ahead import may_continue, rows_within
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.params import SamplingParams
@@ -245,6 +246,23 @@ class _SteadyRows:
         return rows
 
 
+@dataclass
+class _Launch:
+    """A step queued on the device and not yet read: its bucket, its batch in row order, each
+    row's catch-up count ``c``, the host copy of its packed outputs and the event that copy
+    records, copies of its next-step MTP rows, its rollback timing and program variant."""
+
+    buf: _Buffers
+    seqs: list[Sequence]
+    c: list[int]
+    packed: Tensor  # [bucket, 2 + 3P] pinned host copy
+    copied: Any  # torch.cuda.Event | None
+    next_rows: Tensor  # [n, P, H]
+    next_carry: Tensor  # [n, k - 1, H]
+    timing: tuple[object, ...]
+    variant: bool
+
+
 class _Buffers:
     """Static inputs and outputs of one batch bucket."""
 
@@ -265,10 +283,13 @@ class _Buffers:
         # Outputs.
         P = D + 1
         self.packed = torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, device=dev)
-        # Its host copy (pinned on a GPU: an asynchronous copy, waited for by ``copied``).
+        # Its host copies (pinned on a GPU: asynchronous copies, each waited for by its event),
+        # two in turn: a step launched ahead (``GraphedTreeStep.run``) copies its outputs while
+        # the host still reads the last step's.
         cuda = dev.type == "cuda"
-        self.packed_host = torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, pin_memory=cuda)
-        self.copied = torch.cuda.Event() if cuda else None
+        self.packed_hosts = [torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.copy_events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.next_host = 0
         self.next_rows = torch.zeros(bucket, P, H, dtype=g.dtype, device=dev)
         self.next_carry = torch.zeros_like(self.carry)
         # The rollback's inputs: each tree's slots, its accepted path and which depths it kept.
@@ -383,6 +404,7 @@ class GraphedTreeStep:
                           for b in self.buckets}  # fmt: skip
         self._buffers = {b: _Buffers(b, self) for b in self.buckets}
         self._last_buf: _Buffers | None = None  # the bucket of the last step (its ``steady``)
+        self._ahead: _Launch | None = None  # the step launched ahead of its turn (``run``)
         for buf in self._buffers.values():
             buf.set_padding(0, self)
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -484,14 +506,62 @@ class GraphedTreeStep:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
+    @property
+    def launched_ahead(self) -> list[Sequence] | None:
+        """The batch of the step launched ahead (``run``), None if there is none: the next
+        ``run`` reads it, over these sequences or those of them still decoding."""
+        return None if self._ahead is None else self._ahead.seqs
+
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> tuple[StepResults, tuple[object, ...]]:
+    def run(self, seqs: list[Sequence], ahead: bool = False) -> tuple[StepResults, tuple[object, ...]]:
         """One speculative step for eligible ``seqs``; updates their KV/MTP state (not tokens).
+
+        With a step launched ahead, ``seqs`` are its batch or those of them still decoding (in
+        order), and that step is read instead. With ``ahead``, the next step over ``seqs`` is
+        launched as soon as this one's outputs are read, before the caller's host work on them
+        (commits, stop checks, outputs) and its next scheduling: the device runs it meanwhile.
+        Sequences that stop in this step ride along in it (their blocks are zeroed when they
+        are released, after it in stream order); the caller must read it with its next step.
 
         Returns per-sequence results and the rollback timing handle (CUDA events or seconds).
         """
-        buf = self._buffers[self._bucket(len(seqs))]
-        catch_up = self._load_inputs(buf, seqs)
+        launch, self._ahead = self._ahead, None
+        if launch is None:
+            buf = self._buffers[self._bucket(len(seqs))]
+            launch = self._replay(buf, seqs, self._load_inputs(buf, seqs))
+        rows = rows_within(seqs, launch.seqs)
+        results = self._finish(launch, rows)
+        self._last_buf = launch.buf
+        if ahead and launch.buf.steady is not None and launch.buf.steady.fits and may_continue(seqs, 1):
+            self._ahead = self._launch_ahead(launch, rows, seqs)
+        return results, launch.timing
+
+    def discard_ahead(self) -> None:
+        """Forget the step launched ahead, none of whose sequences decodes any more (their blocks
+        are released; the step's writes to them are zeroed after it in stream order)."""
+        self._ahead, self._last_buf = None, None
+
+    def _launch_ahead(self, last: _Launch, rows: list[int], seqs: list[Sequence]) -> _Launch:
+        """The next step over ``seqs`` (rows ``rows`` of ``last``), its inputs those ``last``
+        advanced on the device; the host state it starts from is the one ``_finish`` left."""
+        src, n = last.buf, len(seqs)
+        assert src.steady is not None
+        num_accepted = src.steady.num_accepted
+        c = [num_accepted[r] + 1 for r in rows]
+        buf = self._buffers[self._bucket(n)]
+        if buf is src and n == len(last.seqs):
+            self.variant = last.variant  # the same batch: its inputs are in place
+        else:
+            self._gather_inputs(src, buf, list(range(n)), rows)
+            buf.set_padding(n, self)
+            self._load_sampling(buf, seqs)
+        # Until it is read, the device inputs are the launched step's, not ``_finish``'s.
+        src.steady, self._last_buf = None, None
+        return self._replay(buf, seqs, c)
+
+    def _replay(self, buf: _Buffers, seqs: list[Sequence], catch_up: list[int]) -> _Launch:
+        """Queue a step over the loaded inputs: the device program, a copy of its outputs to the
+        host, the rollback, the advance to the next step's inputs."""
         if self.use_graphs and self.variant not in buf.graphs | self._eager_variants:
             # Re-running the step on the loaded inputs is idempotent (every slot it writes is
             # rewritten), so a variant can be captured on real inputs.
@@ -505,18 +575,22 @@ class GraphedTreeStep:
         else:
             self._draft_verify_accept(buf)
         # The results go to the host first: the rollback and the advance then run on the
-        # device while the host reads them (``_finish``), not before.
-        buf.packed_host.copy_(buf.packed, non_blocking=buf.copied is not None)
-        if buf.copied is not None:
-            buf.copied.record()
+        # device while the host reads them (``_finish``), not before. The static outputs are
+        # overwritten by the next replay: the MTP rows are copied out now, on the device.
+        n = len(seqs)
+        next_rows = buf.next_rows[:n].clone()  # [n, P, H]
+        next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
+        host, copied = buf.packed_hosts[buf.next_host], buf.copy_events[buf.next_host]
+        buf.next_host ^= 1
+        host.copy_(buf.packed, non_blocking=copied is not None)
+        if copied is not None:
+            copied.record()
         timing = self._timed_rollback(buf)
         if buf.advance_graph is not None:
             buf.advance_graph.replay()
         else:
             self._advance(buf)
-        results = self._finish(buf, seqs, catch_up)
-        self._last_buf = buf
-        return results, timing
+        return _Launch(buf, list(seqs), catch_up, host, copied, next_rows, next_carry, timing, self.variant)
 
     def _load_inputs(self, buf: _Buffers, seqs: list[Sequence]) -> list[int]:
         """Copy the batch into the bucket's static inputs; returns each sequence's ``c``.
@@ -637,8 +711,9 @@ class GraphedTreeStep:
         end.record(self._stream)
         return (start, end)
 
-    def _finish(self, buf: _Buffers, seqs: list[Sequence], c: list[int]) -> StepResults:
-        """Read the step's outputs and move every sequence's KV/MTP bookkeeping forward.
+    def _finish(self, launch: _Launch, rows: list[int]) -> StepResults:
+        """Read the step's outputs and move the KV/MTP bookkeeping of the sequences of rows
+        ``rows`` forward (the others stopped since it was launched: nothing of theirs is read).
 
         This loop is most of the step's host work per sequence (on the H200's host ~12 us each
         once: 3 ms of a 17.7 ms step at batch 256). No tensor is made per sequence: its pending
@@ -646,35 +721,36 @@ class GraphedTreeStep:
         until something reads them, which the next step over the same batch does not (views
         per sequence cost 1.7 ms at batch 256 on a 2-core host); the acceptance statistics are
         counted for the batch at once (``StepResults``)."""
+        buf, seqs, c = launch.buf, launch.seqs, launch.c
         n, D, k = len(seqs), self.D, self.k
-        # The static outputs are overwritten by the next replay: copy them out, once.
-        next_rows = buf.next_rows[:n].clone()  # [n, P, H]
-        next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
-        if buf.copied is not None:
-            buf.copied.synchronize()  # the step's one device -> host copy (``run``)
-        packed_array = buf.packed_host[:n].numpy()  # a view: the next step's copy reuses it
+        if launch.copied is not None:
+            launch.copied.synchronize()  # the step's one device -> host copy (``_replay``)
+        packed_array = launch.packed[:n].numpy()  # a view: a later step's copy reuses it
         packed = packed_array.tolist()
         num_accepted = [row[0] for row in packed]
-        committed_now: list[int] = []
-        steady = _SteadyRows(tuple(seqs), next_rows, next_carry, num_accepted, committed_now, False,
-                             self.variant)  # fmt: skip
+        committed_now = [-1] * n  # rows of stopped sequences match nothing (``rows_of``)
+        steady = _SteadyRows(tuple(seqs), launch.next_rows, launch.next_carry, num_accepted, committed_now,
+                             False, launch.variant)  # fmt: skip
         refs = steady.refs = [(steady, i) for i in range(n)]
         tokens: list[list[int]] = []
         room = 1 << 62  # the fewest free slots past a sequence's committed entries
         bs = self.block_size
         offsets = range(k)
-        for s, row, a, ci, ref in zip(seqs, packed, num_accepted, c, refs, strict=True):
+        for i in rows:
+            s, row, a = seqs[i], packed[i], num_accepted[i]
             tokens.append([*row[3 : 3 + a], row[1]])  # path tokens below the root, the bonus
             L = s.num_committed
-            s.mtp_committed = [m + ci for m in s.mtp_committed]
+            s.mtp_committed = [m + c[i] for m in s.mtp_committed]
             s.pending_start = [L - d for d in offsets]
-            s.deferred = ref
+            s.deferred = refs[i]
             s.num_committed = L + a + 1
-            committed_now.append(L + a + 1)
+            committed_now[i] = L + a + 1
             room = min(room, len(s.block_ids) * bs - L - a - 1)
         steady.fits = room >= self.capacity_needed_past_committed
         buf.steady = steady
-        return StepResults(tokens, num_accepted, packed_array[:, 3 + D : 4 + 2 * D].copy(),
+        if len(rows) < n:
+            packed_array = packed_array[rows]
+        return StepResults(tokens, [num_accepted[i] for i in rows], packed_array[:, 3 + D : 4 + 2 * D].copy(),
                            packed_array[:, 4 + 2 * D : 5 + 3 * D].copy())  # fmt: skip
 
     # ------------------------------------------------------------------ device program

@@ -34,7 +34,7 @@ def _engine(folder: Path, spec: SpecConfig, cfg: EngineConfig = STATIC) -> tuple
     calls: list[int] = []
     if eng.graphed_tree is not None:
         run = eng.graphed_tree.run
-        eng.graphed_tree.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+        eng.graphed_tree.run = lambda seqs, *a: calls.append(len(seqs)) or run(seqs, *a)  # type: ignore[method-assign]
     return eng, calls
 
 
@@ -223,7 +223,7 @@ def test_graphed_sampled_step_at_low_temperature_follows_greedy(small_vocab_dir:
     assert runner is not None
     calls: list[int] = []
     run = runner.run
-    runner.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+    runner.run = lambda seqs, *a: calls.append(len(seqs)) or run(seqs, *a)  # type: ignore[method-assign]
     cold = SamplingParams(max_tokens=40, temperature=1e-5, ignore_eos=True)
     outs = eng.generate(PROMPTS, cold)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
@@ -243,7 +243,7 @@ def test_greedy_and_unseeded_sampled_sequences_both_graphed_in_one_step(small_vo
     for name in ("graphed_tree", "graphed_sampled"):
         runner = getattr(eng, name)
         run = runner.run
-        runner.run = lambda seqs, run=run, name=name: steps.append((name, len(seqs))) or run(seqs)
+        runner.run = lambda seqs, *a, run=run, name=name: steps.append((name, len(seqs))) or run(seqs, *a)
     sampled = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, ignore_eos=True)
     final = _serve(eng, {"g0": (PROMPTS[0], GREEDY), "s0": (PROMPTS[2], sampled),
                          "g1": (PROMPTS[1], GREEDY), "s1": (PROMPTS[3], sampled)})
@@ -300,7 +300,7 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
     used: list[int] = []
     for runner in eng._graphed_runners[::2]:  # the greedy steps: tree, chain
         run = runner.run
-        runner.run = lambda seqs, run=run, n=runner.N: used.append(n) or run(seqs)  # type: ignore[method-assign]
+        runner.run = lambda seqs, *a, run=run, n=runner.N: used.append(n) or run(seqs, *a)  # type: ignore[method-assign]
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert {arms[0].num_draft_tokens, arms[1].num_draft_tokens} <= set(used)

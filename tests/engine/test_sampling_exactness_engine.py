@@ -57,7 +57,7 @@ def _sample(folder: Path, graphed: bool = False) -> Counter[tuple[int, ...]]:
     if graphed:
         assert eng.graphed_sampled is not None
         run = eng.graphed_sampled.run
-        eng.graphed_sampled.run = lambda seqs: calls.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+        eng.graphed_sampled.run = lambda seqs, *a: calls.append(len(seqs)) or run(seqs, *a)  # type: ignore[method-assign]
     torch.manual_seed(5)  # the device step draws from the default generator
     sp = SamplingParams(max_tokens=3, temperature=TEMPERATURE, ignore_eos=True)
     outs = eng.generate([PROMPT] * SAMPLES, sp)

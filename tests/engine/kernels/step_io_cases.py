@@ -172,7 +172,7 @@ def check_engine_greedy(device: str) -> tuple[float, float]:
     assert runner is not None and runner.fused_io
     steps: list[int] = []
     run = runner.run
-    runner.run = lambda seqs: steps.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
+    runner.run = lambda seqs, *a: steps.append(len(seqs)) or run(seqs, *a)  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = heldout_prompts(folder, fused.tokenizer, 4, 32)  # type: ignore[arg-type]
     for batch in (prompts[:3], prompts[3:]):

@@ -86,7 +86,7 @@ def test_each_arm_is_timed_on_its_graphed_step(small_vocab_dir: Path, monkeypatc
     ran: list[str] = []
     for kind in (GraphedGreedyTree, GraphedSampledTree):
         run = kind.run
-        monkeypatch.setattr(kind, "run", lambda self, seqs, run=run: ran.append(type(self).__name__) or run(self, seqs))
+        monkeypatch.setattr(kind, "run", lambda self, seqs, *a, run=run: ran.append(type(self).__name__) or run(self, seqs, *a))
     host = LLMEngine._speculative_step
     monkeypatch.setattr(LLMEngine, "_speculative_step", lambda *a: ran.append("host") or host(*a))
     LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),

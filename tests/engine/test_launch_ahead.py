@@ -1,0 +1,112 @@
+"""Decode steps launched ahead of their turn (``EngineConfig.overlap_steps``, engine/launch_ahead.py),
+on the CPU, where they change nothing but the order of the work: every output must be the one
+the engine gives without them, whatever stops, arrives or is aborted while a step is in flight,
+and every block released must be zero.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.outputs import RequestOutput
+
+PROMPTS = [[1, 2, 3, 4, 5, 0, 1], [2, 3, 1, 4, 0], [4] * 20, [5, 1, 2, 2, 3, 1], [3, 3, 2]]
+MAX_TOKENS = [17, 9, 30, 4, 23]  # requests stop at different steps: launched steps carry them
+SPECS = [
+    SpecConfig(method="none"),
+    SpecConfig(method="chain", num_draft_tokens=4),
+    SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9),
+]
+
+
+def _engine(folder: Path, spec: SpecConfig, overlap: bool) -> tuple[LLMEngine, list[int]]:
+    """An engine on the CUDA-graph code path (eager on the CPU); the list counts the steps read
+    after being launched ahead."""
+    eng = LLMEngine.from_pretrained(folder, spec=spec, engine_config=EngineConfig(cuda_graphs=True, overlap_steps=overlap))
+    read: list[int] = []
+    read_ahead = eng._read_ahead
+    eng._read_ahead = lambda launched: read.append(1) or read_ahead(launched)  # type: ignore[method-assign]
+    return eng, read
+
+
+def _serve(eng: LLMEngine, params: list[SamplingParams], late: int | None = None,
+           abort_after: int | None = None) -> dict[str, RequestOutput]:  # fmt: skip
+    """Requests 0..n-1 (request ``late`` added only after 3 steps); request 0 aborted after
+    ``abort_after`` steps. Final outputs by id."""
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        if i != late:
+            eng.add_request(str(i), prompt, p)
+    final: dict[str, RequestOutput] = {}
+    steps = 0
+    while eng.has_unfinished_requests() or (late is not None and str(late) not in final):
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+        steps += 1
+        if steps == 3 and late is not None:
+            eng.add_request(str(late), PROMPTS[late], params[late])
+        if steps == abort_after:
+            eng.abort_request("0")
+    return final
+
+
+def _free_blocks_are_zero(eng: LLMEngine) -> bool:
+    free = [b for b in range(eng.pool.num_blocks) if eng.pool.owner_of(b) is None]
+    return bool((eng.pool.kv_cache[:, free] == 0).all())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
+def test_steps_launched_ahead_give_the_same_greedy_tokens(small_vocab_dir: Path, spec: SpecConfig) -> None:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    base, not_read = _engine(small_vocab_dir, spec, overlap=False)
+    expected = _serve(base, params)
+    eng, read = _engine(small_vocab_dir, spec, overlap=True)
+    got = _serve(eng, params)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in expected.items()}
+    assert [len(got[str(i)].token_ids) for i in range(len(PROMPTS))] == MAX_TOKENS
+    assert not not_read and len(read) >= 5  # the overlapped engine read steps launched ahead
+    assert _free_blocks_are_zero(eng)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
+def test_an_arrival_and_an_abort_while_a_step_is_in_flight(small_vocab_dir: Path, spec: SpecConfig) -> None:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    expected = _serve(_engine(small_vocab_dir, spec, overlap=False)[0], params, late=4, abort_after=5)
+    eng, read = _engine(small_vocab_dir, spec, overlap=True)
+    got = _serve(eng, params, late=4, abort_after=5)
+    assert "0" not in got and "0" not in expected  # aborted, never finished
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in expected.items()}
+    assert read
+    assert eng.pool.num_free == base_free(eng) and _free_blocks_are_zero(eng)
+
+
+def base_free(eng: LLMEngine) -> int:
+    """Blocks free when no request holds any (the graphed steps' scratch stays allocated)."""
+    return eng.pool.num_blocks - sum(1 for b in range(eng.pool.num_blocks) if eng.pool.owner_of(b) is not None)
+
+
+def test_seeded_sampling_is_reproduced_with_steps_launched_ahead(small_vocab_dir: Path) -> None:
+    params = [SamplingParams(max_tokens=m, temperature=0.9, seed=100 + i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+    spec = SpecConfig(method="none")
+    expected = _serve(_engine(small_vocab_dir, spec, overlap=False)[0], params)
+    eng, read = _engine(small_vocab_dir, spec, overlap=True)
+    got = _serve(eng, params)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in expected.items()}
+    assert read
+
+
+def test_a_session_batch_is_not_launched_ahead(small_vocab_dir: Path) -> None:
+    """A session keeps its blocks after a turn: a step launched past its stop would leave KV
+    behind in them, so its steps are not launched ahead, and nothing past its tokens is kept."""
+    eng, read = _engine(small_vocab_dir, SpecConfig(method="chain", num_draft_tokens=4), overlap=True)
+    eng.open_session("s")
+    eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                    session_id="s")  # fmt: skip
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert not read
+    assert eng.session_num_tokens("s") == len(PROMPTS[0]) + 12
