@@ -19,6 +19,7 @@ SPECS = [
     SpecConfig(method="none"),
     SpecConfig(method="chain", num_draft_tokens=4),
     SpecConfig(method="tree", topk=3, depth=4, num_draft_tokens=9),
+    SpecConfig(method="adaptive"),  # reads a launched step only while it would choose its budget again
 ]
 
 
@@ -110,3 +111,14 @@ def test_a_session_batch_is_not_launched_ahead(small_vocab_dir: Path) -> None:
         eng.step()
     assert not read
     assert eng.session_num_tokens("s") == len(PROMPTS[0]) + 12
+
+
+def test_sampled_graphed_steps_launched_ahead_finish_every_request(small_vocab_dir: Path) -> None:
+    """Unseeded sampled requests take the graphed sampled step: launched ahead, read over the
+    requests still decoding as others stop, every request ends at its max_tokens."""
+    params = [SamplingParams(max_tokens=m, temperature=0.8, ignore_eos=True) for m in MAX_TOKENS]
+    eng, read = _engine(small_vocab_dir, SpecConfig(method="chain", num_draft_tokens=4), overlap=True)
+    assert eng.graphed_sampled is not None
+    got = _serve(eng, params)
+    assert [len(got[str(i)].token_ids) for i in range(len(PROMPTS))] == MAX_TOKENS
+    assert len(read) >= 3 and _free_blocks_are_zero(eng)
