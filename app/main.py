@@ -42,6 +42,7 @@ def engine_factory_from_settings(settings: Settings) -> EngineFactory:
             block_size=settings.block_size,
             max_model_len=settings.max_model_len,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
+            overlap_steps=settings.overlap_steps,
         )
         return LLMEngine.from_pretrained(
             str(settings.model), device=settings.device, dtype=settings.dtype, spec=spec,

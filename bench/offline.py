@@ -67,8 +67,8 @@ class OfflineSettings:
     # young objects less often (``engine.gc_tuning``, as the server does): for a process that
     # runs one sweep (the CLI), not for a test session.
     freeze_gc: bool = False
-    # Every engine's ``EngineConfig.overlap_steps`` (None: on a GPU, off on a CPU).
-    overlap_steps: bool | None = None
+    # Every engine's ``EngineConfig.overlap_steps``, the baseline's included.
+    overlap_steps: bool = False
 
 
 def _log(msg: str) -> None:

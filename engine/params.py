@@ -121,9 +121,10 @@ class EngineConfig:
     # start-up (engine.spec.arm_calibration). None: on CUDA, off on CPU (tests turn it on).
     calibrate_arms: bool | None = None
     # A steady decode step launches the next one before its host work (commits, stop checks,
-    # outputs, the next scheduling), so the device runs one while the host does the other.
-    # None: on CUDA, off on CPU (tests turn it on; on a CPU nothing overlaps).
-    overlap_steps: bool | None = None
+    # outputs, the next scheduling), so the device runs one while the host does the other
+    # (engine/launch_ahead.py). Off until it is measured on a GPU (README, Known gaps); on a
+    # CPU nothing overlaps (tests turn it on to check the outputs are unchanged).
+    overlap_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -350,6 +351,45 @@ def tree_mla_attention(
         num_splits = _pick_num_splits(q_tiles * num_seqs, max_keys, block_n, q_latent.device)
     assert num_seqs < 65536, "grid too large"
 
+    # A specialisation Triton fails to compile (session 26's H200: the pass
+    # TritonGPURemoveLayoutConversions on 16 head rows per token in 9 key splits, which took a
+    # whole graphed step down to eager PyTorch, 12 ms a step) is run unsplit instead: the
+    # fallback is remembered, so a graph captured after the warm-up records the unsplit launch.
+    key = (num_heads, rank, rope_dim, block_size, head_stride, block_m, block_n, num_splits,
+           query_ctx_lens is not None, q_latent.dtype, num_warps, num_stages)  # fmt: skip
+    if num_splits > 1 and key in _UNCOMPILABLE:
+        num_splits = 1
+    try:
+        _launch_fwd(q_latent, q_rope, kv_cache, block_tables, ctx_lens, query_start, new_mask, query_ctx_lens,
+                    out, scale, head_stride, block_m, block_n, q_tiles, num_splits, num_warps, num_stages)
+    except Exception as exc:  # a compile failure of this specialisation, on its first launch
+        if num_splits == 1 or key in _COMPILED:
+            raise
+        warnings.warn(f"tree_mla_attention: {type(exc).__name__} compiling {num_splits} key splits "
+                      f"(head rows {head_stride}, block_m {block_m}); running unsplit", stacklevel=2)
+        _UNCOMPILABLE.add(key)
+        _launch_fwd(q_latent, q_rope, kv_cache, block_tables, ctx_lens, query_start, new_mask, query_ctx_lens,
+                    out, scale, head_stride, block_m, block_n, q_tiles, 1, num_warps, num_stages)
+        return out
+    _COMPILED.add(key)
+    return out
+
+
+_COMPILED: set[tuple[object, ...]] = set()  # specialisations launched once (compiled)
+_UNCOMPILABLE: set[tuple[object, ...]] = set()  # split specialisations Triton failed to compile
+
+
+def _launch_fwd(
+    q_latent: Tensor, q_rope: Tensor, kv_cache: Tensor, block_tables: Tensor, ctx_lens: Tensor,
+    query_start: Tensor, new_mask: Tensor, query_ctx_lens: Tensor | None, out: Tensor, scale: float,
+    head_stride: int, block_m: int, block_n: int, q_tiles: int, num_splits: int, num_warps: int,
+    num_stages: int,
+) -> None:
+    """The attention kernel (and the splits' combine) into ``out`` [N, H, R]."""
+    num_tokens, num_heads, rank = out.shape
+    rope_dim = q_rope.shape[-1]
+    block_size = kv_cache.shape[1]
+    num_seqs = ctx_lens.shape[0]
     mask_u8 = new_mask.contiguous().view(torch.uint8)  # [N, M]
     block_tables = block_tables.to(torch.int32)  # [B, max_blocks] (no-op when already int32)
     if num_splits > 1:
@@ -360,7 +400,6 @@ def tree_mla_attention(
     else:
         part_acc = part_ml = out  # unused
     qctx = query_ctx_lens.to(torch.int32) if query_ctx_lens is not None else ctx_lens
-
     grid = (q_tiles * num_splits, num_seqs)
     _tree_mla_fwd_kernel[grid](
         q_latent, q_rope, kv_cache, block_tables, ctx_lens.to(torch.int32),
@@ -387,4 +426,3 @@ def tree_mla_attention(
             BLOCK_R=max(16, triton.next_power_of_2(rank)),
             num_warps=4,
         )
-    return out
