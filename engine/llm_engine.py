@@ -793,6 +793,8 @@ class LLMEngine:
         against ~16 ms for the catch-up of 256 in the drafting step after the fill."""
         assert self.adaptive is not None
         seqs = [*self.scheduler.running, *self.scheduler.waiting][: self.config.max_batch_size]
+        if not seqs:  # the prefill's first tokens ended every request (a stop id, max_tokens 1)
+            return None
         lag, left, sampled = self._decode_summary(seqs)
         return self.adaptive.drafting_arm(self, len(seqs), sampled, lag, left, self.closed_workload)
 

@@ -122,3 +122,43 @@ def test_sampled_graphed_steps_launched_ahead_finish_every_request(small_vocab_d
     got = _serve(eng, params)
     assert [len(got[str(i)].token_ids) for i in range(len(PROMPTS))] == MAX_TOKENS
     assert len(read) >= 3 and _free_blocks_are_zero(eng)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
+def test_a_random_stream_of_arrivals_aborts_and_stops_gives_the_same_greedy_outputs(
+    small_vocab_dir: Path, spec: SpecConfig
+) -> None:
+    """Requests arrive between steps, some with stop ids or EOS, some aborted mid-flight, one in
+    a session; sampled requests share the batch (their tokens are not compared). The greedy
+    outputs of the overlapped engine are the plain engine's, and every free block is zero."""
+    import random
+
+    def play(eng: LLMEngine) -> dict[str, list[int]]:
+        rnd = random.Random(7)
+        eng.open_session("s")
+        final: dict[str, list[int]] = {}
+        pending = list(range(14))
+        step = 0
+        while pending or eng.has_unfinished_requests():
+            if pending and rnd.random() < 0.5:
+                i = pending.pop(0)
+                prompt = [rnd.randrange(1, 6) for _ in range(rnd.randrange(3, 12))]
+                sampled = i % 4 == 3
+                params = SamplingParams(max_tokens=rnd.randrange(3, 25), temperature=0.8 if sampled else 0.0,
+                                        stop_token_ids=[5] if i % 5 == 0 else [], ignore_eos=i % 3 != 0)  # fmt: skip
+                eng.add_request(f"r{i}", prompt, params, session_id="s" if i == 6 else None)
+            for o in eng.step():
+                if o.finished and int(o.request_id[1:]) % 4 != 3:  # greedy ones
+                    final[o.request_id] = o.token_ids
+            step += 1
+            if step in (9, 17):
+                for rid in ("r1", "r8"):
+                    if eng.sequence(rid) is not None:
+                        eng.abort_request(rid)
+        return final
+
+    expected = play(_engine(small_vocab_dir, spec, overlap=False)[0])
+    eng, read = _engine(small_vocab_dir, spec, overlap=True)
+    assert play(eng) == expected
+    assert read
+    assert _free_blocks_are_zero(eng)

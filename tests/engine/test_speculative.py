@@ -544,3 +544,12 @@ def test_a_filling_batch_that_will_draft_is_caught_up_chunk_by_chunk(
     assert all(final[f"r{i}"] == base[0].token_ids for i in range(3))
     if drafts_once_full:
         assert set(eng.adaptive.steps_per_arm) - {NO_SPEC}, "it drafted"
+
+
+def test_an_adaptive_engine_serves_a_request_its_first_token_ends(small_vocab_dir: Path) -> None:
+    """The prefill's first token ends the only request (max_tokens 1): the batch the prefill
+    would catch up for is empty (it had divided by zero)."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
+                                    engine_config=EngineConfig(cuda_graphs=True))  # fmt: skip
+    out = eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 1 and out[0].finish_reason == "length"
