@@ -382,6 +382,11 @@ class MeasuredArms:
                                      drains, tokens_left)  # fmt: skip
 
         chosen = best if pays(best) else arms[0]
+        if estimates[chosen] is None:
+            # A drafting arm was measured but does not pay here, and no speculation never was at
+            # any batch size (CPU engines, no start-up calibration): learn its cost by running it.
+            # (Its estimate had been read as if present: a stream of short requests crashed.)
+            return self._explore(bucket, chosen)
         step = estimates[chosen].step  # type: ignore[union-attr]
         chosen_cost = estimates[chosen].per_token  # type: ignore[union-attr]
         overdue = []
