@@ -23,6 +23,7 @@ import torch
 
 from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.cuda_graphs import DEFAULT_PREFILL_TOKENS, StaticTargetForward
+from engine.host_tensor import int_tensor, to_device
 from engine.kv.block_pool import BlockPool, KVCacheFull
 from engine.kv.compaction import compact_and_zero
 from engine.launch_ahead import ARLaunch, may_continue, rows_within
@@ -849,14 +850,12 @@ class LLMEngine:
 
     def _may_launch_ahead_autoregressive(self, seqs: list[Sequence]) -> bool:
         """Whether the autoregressive step after this one (read, not yet committed) may be
-        launched now: one sampling mode for the whole batch, drawn on the device (all greedy,
-        or all sampled; no penalties), a block for every sequence's next position, and a
-        sequence that has not reached ``max_tokens`` with this step's token."""
+        launched now: tokens drawn on the device (no penalties, which count the tokens on the
+        host), a block for every sequence's next position, and a sequence that has not reached
+        ``max_tokens`` with this step's token."""
         bs, limit = self.pool.block_size, self.max_model_len
-        greedy = seqs[0].sampling.greedy
-        return (all(s.sampling.greedy is greedy and not s.sampling.has_penalties
-                    and (s.num_committed + 1) // bs < len(s.block_ids) and s.num_committed + 1 < limit
-                    for s in seqs)
+        return (all(not s.sampling.has_penalties and (s.num_committed + 1) // bs < len(s.block_ids)
+                    and s.num_committed + 1 < limit for s in seqs)
                 and may_continue(seqs, 2))  # fmt: skip
 
     def _launch_autoregressive(self, seqs: list[Sequence], tokens: list[int]) -> ARLaunch:
@@ -864,17 +863,25 @@ class LLMEngine:
         drawn (their commits not yet made): its tokens stay on the device until it is read."""
         hidden = self._decode_hidden(seqs, tokens, [s.num_committed + 1 for s in seqs])
         logits = self.model.logits(hidden)  # [B, V]
-        if seqs[0].sampling.greedy:
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        if not sampled:
             return ARLaunch(list(seqs), hidden, logits.argmax(dim=-1), None)
-        params = [s.sampling for s in seqs]
+        everyone = len(sampled) == len(seqs)
+        index = None if everyone else to_device(int_tensor(sampled), logits.device)  # [S]
+        rows = logits if index is None else logits.index_select(0, index)  # [S, V]
+        params = [seqs[i].sampling for i in sampled]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             st = SamplingTensors.from_params(params, logits.device)
-            probs = probs_from_logits(logits, st.temperature, st.top_k, st.top_p, filters=True)
+            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
         else:
-            probs = temperature_probs(logits, [p.temperature for p in params])
-        drawn, ok = draw_rows(probs, [s.generator if p.seed is not None else None
-                                      for s, p in zip(seqs, params, strict=True)])  # fmt: skip
-        return ARLaunch(list(seqs), hidden, drawn, ok)
+            probs = temperature_probs(rows, [p.temperature for p in params])
+        drawn, ok = draw_rows(probs, [seqs[i].generator if p.seed is not None else None
+                                      for i, p in zip(sampled, params, strict=True)])  # fmt: skip
+        if index is None:
+            return ARLaunch(list(seqs), hidden, drawn, ok)
+        # Greedy rows take the argmax, sampled rows their draw: [B] tokens, [B] row checks.
+        every_ok = torch.ones(len(seqs), dtype=torch.bool, device=logits.device).index_copy(0, index, ok)
+        return ARLaunch(list(seqs), hidden, logits.argmax(dim=-1).index_copy(0, index, drawn), every_ok)
 
     def _speculative_step(
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]

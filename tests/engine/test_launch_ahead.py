@@ -89,9 +89,12 @@ def base_free(eng: LLMEngine) -> int:
     return eng.pool.num_blocks - sum(1 for b in range(eng.pool.num_blocks) if eng.pool.owner_of(b) is not None)
 
 
-def test_seeded_sampling_is_reproduced_with_steps_launched_ahead(small_vocab_dir: Path) -> None:
-    params = [SamplingParams(max_tokens=m, temperature=0.9, seed=100 + i, ignore_eos=True)
-              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+@pytest.mark.parametrize("mixed", [False, True], ids=["sampled", "mixed-with-greedy"])
+def test_seeded_sampling_is_reproduced_with_steps_launched_ahead(small_vocab_dir: Path, mixed: bool) -> None:
+    """Each seeded request draws from its own generator, once per step, launched ahead or not;
+    greedy rows in the same batch take the argmax."""
+    params = [SamplingParams(max_tokens=m, temperature=0.0 if mixed and i % 2 else 0.9, seed=100 + i,
+                             ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
     spec = SpecConfig(method="none")
     expected = _serve(_engine(small_vocab_dir, spec, overlap=False)[0], params)
     eng, read = _engine(small_vocab_dir, spec, overlap=True)
