@@ -40,7 +40,6 @@ from engine.sampling import (
     make_generator,
     probs_from_logits,
     sample_from_probs,
-    sample_rows,
     temperature_probs,
     token_counts,
 )
@@ -628,7 +627,7 @@ class LLMEngine:
         step then takes the usual course."""
         self._ahead = None
         runner = launched if isinstance(launched, GraphedTreeStep) else None
-        batch = runner.launched_ahead if runner is not None else launched.seqs  # type: ignore[union-attr]
+        batch = launched.seqs if isinstance(launched, ARLaunch) else launched.launched_ahead
         assert batch is not None
         seqs = [s for s in batch if s.status is SeqStatus.RUNNING]
         if not seqs:
@@ -641,22 +640,19 @@ class LLMEngine:
         closed = not self.scheduler.num_waiting and (
             self.closed_workload or self._steps_since_arrival >= QUIET_STEPS_FOR_CLOSED
         )
-        budget = self.budget if runner is None else runner.budget
-        if runner is None and self.adaptive is not None:
-            budget = NO_SPEC
+        budget = NO_SPEC if runner is None else runner.budget
         ahead = self._may_launch_ahead(seqs)
         sampled = False
         if self.adaptive is not None:
             chosen, _, sampled = self._choose_budget(seqs, False, closed)
             ahead = ahead and chosen == budget
         start = time.perf_counter()
-        if runner is not None:
-            self._graphed_step(runner, seqs, outputs, ahead)
-            self._last_drafting, self._last_runner = runner.budget, runner
-        else:
-            assert isinstance(launched, ARLaunch)
+        if isinstance(launched, ARLaunch):
             self._autoregressive_step(seqs, outputs, ahead, launched)
             self._last_drafting = None
+        else:
+            self._graphed_step(launched, seqs, outputs, ahead)
+            self._last_drafting, self._last_runner = launched.budget, launched
         if self.adaptive is not None:
             self.adaptive.observe(len(seqs), budget, time.perf_counter() - start, self._step_tokens, sampled)
             self._tick_yield_clock(budget, sampled)
@@ -812,14 +808,9 @@ class LLMEngine:
             tokens = self._sample_rows(seqs, self.model.logits(hidden))
         else:
             rows = rows_within(seqs, launched.seqs)
-            if launched.ok is None:  # greedy
-                drawn = launched.tokens.tolist()  # the step's one device -> host copy
-            else:
-                drawn, ok = torch.stack([launched.tokens, launched.ok.long()]).tolist()
-                if not all(ok[r] for r in rows):
-                    raise ValueError("probs has a row with no positive mass")
-            tokens = [drawn[r] for r in rows]
-            hidden = launched.hidden if len(rows) == len(launched.seqs) else launched.hidden[rows]
+            everyone = len(rows) == len(launched.seqs)
+            tokens = _read_drawn(launched.tokens, launched.ok, None if everyone else rows)
+            hidden = launched.hidden if everyone else launched.hidden[rows]
         if ahead and self._may_launch_ahead_autoregressive(seqs):
             self._ahead = self._launch_autoregressive(seqs, tokens)
         for i, seq in enumerate(seqs):
@@ -862,26 +853,7 @@ class LLMEngine:
         """Queue the next autoregressive step over ``seqs``, whose tokens ``tokens`` were just
         drawn (their commits not yet made): its tokens stay on the device until it is read."""
         hidden = self._decode_hidden(seqs, tokens, [s.num_committed + 1 for s in seqs])
-        logits = self.model.logits(hidden)  # [B, V]
-        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
-        if not sampled:
-            return ARLaunch(list(seqs), hidden, logits.argmax(dim=-1), None)
-        everyone = len(sampled) == len(seqs)
-        index = None if everyone else to_device(int_tensor(sampled), logits.device)  # [S]
-        rows = logits if index is None else logits.index_select(0, index)  # [S, V]
-        params = [seqs[i].sampling for i in sampled]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            st = SamplingTensors.from_params(params, logits.device)
-            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
-        else:
-            probs = temperature_probs(rows, [p.temperature for p in params])
-        drawn, ok = draw_rows(probs, [seqs[i].generator if p.seed is not None else None
-                                      for i, p in zip(sampled, params, strict=True)])  # fmt: skip
-        if index is None:
-            return ARLaunch(list(seqs), hidden, drawn, ok)
-        # Greedy rows take the argmax, sampled rows their draw: [B] tokens, [B] row checks.
-        every_ok = torch.ones(len(seqs), dtype=torch.bool, device=logits.device).index_copy(0, index, ok)
-        return ARLaunch(list(seqs), hidden, logits.argmax(dim=-1).index_copy(0, index, drawn), every_ok)
+        return ARLaunch(list(seqs), hidden, *self._draw_rows(seqs, self.model.logits(hidden)))
 
     def _speculative_step(
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
@@ -1071,37 +1043,45 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tokens and finishing
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per row of ``logits`` [B, V]: greedy rows in one device read, sampled rows
-        without penalties in one batched draw; rows with penalties one by one."""
+        """One token per row of ``logits`` [B, V]: rows without penalties drawn on the device
+        in one read (``_draw_rows``); rows with penalties one by one."""
+        plain = [i for i, s in enumerate(seqs) if not s.sampling.has_penalties]
         out: list[int | None] = [None] * len(seqs)
-        everyone = len(seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy and not s.sampling.has_penalties]
-        if greedy:
-            # The whole batch needs no row selection (an index copied to the device, a gather).
-            rows = logits if len(greedy) == everyone else logits[greedy]
-            for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
-                out[i] = token
-        sampled = [
-            i for i, s in enumerate(seqs) if not s.sampling.greedy and not s.sampling.has_penalties
-        ]
-        if sampled:
-            params = [seqs[i].sampling for i in sampled]
-            rows = logits if len(sampled) == everyone else logits[sampled]
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
-                st = SamplingTensors.from_params(params, logits.device)
-                probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
-            else:  # plain temperature sampling: the same probabilities in two kernels
-                probs = temperature_probs(rows, [p.temperature for p in params])
-            # Seeded requests draw from their own generator (reproducible); the others share
-            # the device's default generator, one kernel for all their rows.
-            drawn = sample_rows(probs, [seqs[i].generator if p.seed is not None else None
-                                        for i, p in zip(sampled, params, strict=True)])  # fmt: skip
-            for i, token in zip(sampled, drawn, strict=True):
+        if plain:
+            everyone = len(plain) == len(seqs)
+            tokens, ok = self._draw_rows(seqs if everyone else [seqs[i] for i in plain],
+                                         logits if everyone else logits[plain])  # fmt: skip
+            for i, token in zip(plain, _read_drawn(tokens, ok), strict=True):
                 out[i] = token
         return [
             token if token is not None else self._sample_one(seqs[i], logits[i])
             for i, token in enumerate(out)
         ]
+
+    def _draw_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [B] of ``seqs`` (none with penalties) left on the device: greedy rows the
+        argmax, sampled rows one batched draw (seeded requests from their own generators, the
+        others from the device's default generator, in one kernel); and whether each row had
+        probability mass [B] bool (None: all greedy)."""
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        if not sampled:
+            return logits.argmax(dim=-1), None
+        everyone = len(sampled) == len(seqs)
+        # The whole batch needs no row selection (an index copied to the device, a gather).
+        index = None if everyone else to_device(int_tensor(sampled), logits.device)  # [S]
+        rows = logits if index is None else logits.index_select(0, index)  # [S, V]
+        params = [seqs[i].sampling for i in sampled]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
+            st = SamplingTensors.from_params(params, logits.device)
+            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
+        else:  # plain temperature sampling: the same probabilities in two kernels
+            probs = temperature_probs(rows, [p.temperature for p in params])
+        drawn, ok = draw_rows(probs, [seqs[i].generator if p.seed is not None else None
+                                      for i, p in zip(sampled, params, strict=True)])  # fmt: skip
+        if index is None:
+            return drawn, ok
+        every_ok = torch.ones(len(seqs), dtype=torch.bool, device=logits.device).index_copy(0, index, ok)
+        return logits.argmax(dim=-1).index_copy(0, index, drawn), every_ok
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         params = seq.sampling
@@ -1274,3 +1254,18 @@ def _eos_ids(folder: Path, cfg: ModelConfig) -> frozenset[int]:
     if not isinstance(value, list):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
     return frozenset(int(v) for v in value)
+
+
+def _read_drawn(tokens: torch.Tensor, ok: torch.Tensor | None, rows: list[int] | None = None) -> list[int]:
+    """Read tokens drawn on the device (``LLMEngine._draw_rows``) in one copy, those of
+    ``rows`` only if given; a sampled row read without probability mass is an error."""
+    if ok is None:  # greedy rows only
+        drawn, has_mass = tokens.tolist(), None
+    else:
+        drawn, has_mass = torch.stack([tokens, ok.long()]).tolist()
+    if rows is not None:
+        drawn = [drawn[r] for r in rows]
+        has_mass = None if has_mass is None else [has_mass[r] for r in rows]
+    if has_mass is not None and not all(has_mass):
+        raise ValueError("probs has a row with no positive mass")
+    return drawn

@@ -192,24 +192,15 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator) -> int:
     return int(token)
 
 
-def sample_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``probs`` ``[R, V]``, row r drawn with ``generators[r]``.
+def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
+    """One token per row of ``probs`` ``[R, V]``, row r drawn with ``generators[r]``, left on the
+    device: the tokens [R] and whether each row had positive mass [R] bool (the caller checks
+    it when it reads the tokens, in the same copy).
 
     The same exponential race as ``sample_from_probs``, consuming each generator the same way,
     so a seeded request draws the same tokens whether its row is sampled alone or in a batch;
     rows whose generator is None (unseeded requests) draw from the device's default generator,
-    all in one kernel. The rows share one max and one device-to-host copy.
-    """
-    tokens, ok = draw_rows(probs, generators)
-    out = torch.stack([tokens, ok.long()]).tolist()
-    if not all(out[1]):
-        raise ValueError("probs has a row with no positive mass")
-    return [int(t) for t in out[0]]
-
-
-def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
-    """``sample_rows`` left on the device: the tokens [R] and whether each row had positive
-    mass [R] bool (the caller checks it when it reads the tokens)."""
+    all in one kernel."""
     if probs.dim() != 2 or probs.shape[0] != len(generators):
         raise ValueError(f"probs must be [R, V] with one generator per row, got {tuple(probs.shape)}")
     exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)  # [R, V]

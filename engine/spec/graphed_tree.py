@@ -529,7 +529,9 @@ class GraphedTreeStep:
         if launch is None:
             buf = self._buffers[self._bucket(len(seqs))]
             launch = self._replay(buf, seqs, self._load_inputs(buf, seqs))
-        rows = rows_within(seqs, launch.seqs)
+            rows = list(range(len(seqs)))
+        else:
+            rows = rows_within(seqs, launch.seqs)
         results = self._finish(launch, rows)
         self._last_buf = launch.buf
         if ahead and launch.buf.steady is not None and launch.buf.steady.fits and may_continue(seqs, 1):

@@ -175,31 +175,36 @@ def test_without_replacement_second_draw_law() -> None:
 
 
 def test_batched_rows_draw_what_single_rows_draw() -> None:
-    """``sample_rows`` consumes each row's generator like ``sample_from_probs``: a seeded request
+    """``draw_rows`` consumes each row's generator like ``sample_from_probs``: a seeded request
     draws the same tokens alone or in a batch."""
-    from engine.sampling import make_generator, sample_from_probs, sample_rows
+    from engine.sampling import draw_rows, make_generator, sample_from_probs
 
     probs = torch.softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
     single_gens = [make_generator(100 + r) for r in range(5)]
     batch_gens = [make_generator(100 + r) for r in range(5)]
     for _ in range(20):
         single = [sample_from_probs(probs[r], single_gens[r]) for r in range(5)]
-        assert sample_rows(probs, batch_gens) == single
+        assert draw_rows(probs, batch_gens)[0].tolist() == single
 
 
 def test_batched_rows_reject_rows_without_mass() -> None:
-    from engine.sampling import make_generator, sample_rows
+    """``draw_rows`` flags a row without mass; reading the draw (``_read_drawn``) refuses it."""
+    from engine.llm_engine import _read_drawn
+    from engine.sampling import draw_rows, make_generator
 
     probs = torch.zeros(2, 4)
     probs[0, 1] = 1.0
+    tokens, ok = draw_rows(probs, [make_generator(0), make_generator(1)])
+    assert ok.tolist() == [True, False]
+    assert _read_drawn(tokens, ok, [0]) == [1]
     with pytest.raises(ValueError, match="no positive mass"):
-        sample_rows(probs, [make_generator(0), make_generator(1)])
+        _read_drawn(tokens, ok)
 
 
 def test_seeded_rows_next_to_unseeded_ones_draw_what_they_draw_alone() -> None:
     """Unseeded rows share one draw from the default generator; the seeded rows among them are
     overwritten from their own generators and draw as they would alone."""
-    from engine.sampling import make_generator, sample_from_probs, sample_rows
+    from engine.sampling import draw_rows, make_generator, sample_from_probs
 
     probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
     alone = [make_generator(7), make_generator(8)]
@@ -207,8 +212,8 @@ def test_seeded_rows_next_to_unseeded_ones_draw_what_they_draw_alone() -> None:
     for _ in range(20):
         want = [sample_from_probs(probs[0], alone[0]), sample_from_probs(probs[2], alone[1])]
         torch.manual_seed(3)
-        got = sample_rows(probs, mixed)
+        got = draw_rows(probs, mixed)[0].tolist()
         torch.manual_seed(3)
-        again = sample_rows(probs, [None] * 4)
+        again = draw_rows(probs, [None] * 4)[0].tolist()
         assert [got[0], got[2]] == want
         assert [got[1], got[3]] == [again[1], again[3]], "the unseeded rows' shared draw"
