@@ -34,7 +34,8 @@ class Settings(BaseSettings):
     block_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     prefill_chunk_tokens: int | None = Field(None, ge=1)  # None: the engine default per device
-    overlap_steps: bool = False  # EngineConfig.overlap_steps: launch steady decode steps ahead
+    # EngineConfig.overlap_steps: launch steady decode steps ahead; None: on CUDA, off on a CPU.
+    overlap_steps: bool | None = None
     spec_method: Literal["none", "chain", "tree", "adaptive"] = "tree"
     spec_topk: int | None = Field(None, ge=1)
     spec_depth: int | None = Field(None, ge=1)

@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="more rounds at small batches: each point decodes at least this many prompts")
     off.add_argument("--warmup-tokens", type=int, default=None,
                      help="tokens of the warm-up round (default CPU 8; GPU: --max-new-tokens)")
-    off.add_argument("--overlap-steps", choices=["on", "off"], default="off",
-                     help="launch steady decode steps ahead of their host work (EngineConfig.overlap_steps)")
+    off.add_argument("--overlap-steps", choices=["on", "off", "auto"], default="auto",
+                     help="launch steady decode steps ahead of their host work "
+                          "(EngineConfig.overlap_steps; auto: on CUDA, off on a CPU)")
     off.add_argument("--spin-ms", type=float, default=0.0,
                      help="GPU: milliseconds of matrix products before every run, so each starts "
                           "at the boost clock (an idle GPU's clock is a fraction of it)")
@@ -127,7 +128,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         warmup_tokens=args.warmup_tokens if args.warmup_tokens is not None else (0 if gpu else 8), check_batch=args.check_batch,
         check_tokens=args.check_tokens, kv_memory_mb=args.kv_memory_mb,
         time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour, freeze_gc=True,
-        spin_ms=args.spin_ms, overlap_steps=args.overlap_steps == "on",
+        spin_ms=args.spin_ms, overlap_steps=None if args.overlap_steps == "auto" else args.overlap_steps == "on",
     )
     doc, ok = run_offline(settings, progress=not args.no_progress)
     from bench.results import read_json, write_json

@@ -59,7 +59,7 @@ def kv_bytes_for(engine: LLMEngine, batch: int, tokens_per_request: int) -> int:
 
 
 def load_base(model_dir: str, device: str, dtype: str, max_batch: int, tokens_per_request: int,
-              kv_memory_mb: int | None, overlap_steps: bool = False) -> LLMEngine:
+              kv_memory_mb: int | None, overlap_steps: bool | None = None) -> LLMEngine:
     """The autoregressive engine; its KV pool sized for the sweep unless ``kv_memory_mb``; its
     configuration (which every contender shares) with ``overlap_steps``."""
     probe_cfg = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=MIN_KV_BYTES)

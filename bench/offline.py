@@ -67,8 +67,8 @@ class OfflineSettings:
     # young objects less often (``engine.gc_tuning``, as the server does): for a process that
     # runs one sweep (the CLI), not for a test session.
     freeze_gc: bool = False
-    # Every engine's ``EngineConfig.overlap_steps``, the baseline's included.
-    overlap_steps: bool = False
+    # Every engine's ``EngineConfig.overlap_steps``, the baseline's included (None: on CUDA).
+    overlap_steps: bool | None = None
 
 
 def _log(msg: str) -> None:
@@ -268,7 +268,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
         add_costs(records, s.price_per_hour)
     result = {
         **meta,
-        "settings": asdict(s),
+        "settings": {**asdict(s), "overlap_steps": base.overlap_steps},  # the effective value
         "prompts": source,
         "num_prompts": len(prompts),
         "modes": [m.label for m in modes],

@@ -131,7 +131,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
                 f"dtype {s.get('dtype')}; {s.get('repeats')} timed repeats after a warm-up, "
                 "median (min–max); modes alternate within each round"
                 + (f"; each run after {s['spin_ms']:g} ms of GPU matrix products (boost clock)"
-                   if s.get("spin_ms") else ""),
+                   if s.get("spin_ms") else "")
+                + ("; steps launched ahead of their host work (overlap on), the baseline's too"
+                   if s.get("overlap_steps") else ""),
                 f"- speedup vs ar is paired per round; tokens/s counts prefill; TPOT is per sequence "
                 f"after its first token; wall time {doc.get('wall_s')} s",
                 ""]

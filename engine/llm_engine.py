@@ -169,7 +169,8 @@ class LLMEngine:
         # budget first (``graphed_tree`` / ``graphed_sampled``).
         self._graphed_runners: list[GraphedTreeStep] = []
         self._last_runner: GraphedTreeStep | None = None  # the last to take a graphed step
-        self.overlap_steps = engine_config.overlap_steps
+        overlap = engine_config.overlap_steps
+        self.overlap_steps = device.type == "cuda" if overlap is None else overlap
         self._ahead: GraphedTreeStep | ARLaunch | None = None  # a step launched ahead (``_read_ahead``)
         use_static = engine_config.cuda_graphs
         if use_static is None:

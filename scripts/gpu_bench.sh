@@ -30,7 +30,8 @@
 # default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
 # STEP_PROFILE (set: after the trace, the batch-1 tree and autoregressive steps' kernels in order,
 # scripts/spec_step_profile.py on random weights, into RESULTS_DIR/step-profile.txt),
-# OVERLAP_STEPS (on or off, default off: EngineConfig.overlap_steps of every engine, the baseline's too),
+# OVERLAP_STEPS (on, off or auto, default auto = on on CUDA: EngineConfig.overlap_steps of every
+# engine, the baseline's too),
 # SPIN_MS (default 50: milliseconds of GPU matrix products before every timed run, so that each
 # starts at the boost clock; an idle H200 runs at 345 of 1980 MHz; 0: none; the stall counters
 # record runs begun below 90% of the maximum clock either way),
@@ -108,7 +109,7 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" \
     --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
-    --spin-ms "${SPIN_MS:-50}" --overlap-steps "${OVERLAP_STEPS:-off}" \
+    --spin-ms "${SPIN_MS:-50}" --overlap-steps "${OVERLAP_STEPS:-auto}" \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
 LEFT=$(( END_S - ($(date +%s) - START) ))

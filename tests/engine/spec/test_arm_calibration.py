@@ -15,9 +15,12 @@ from engine.spec.arm_calibration import calibrate_arms
 CONFIG = EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=4)
 
 
-@pytest.fixture(scope="module")
-def calibrated(small_vocab_dir: Path) -> LLMEngine:
-    return LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=CONFIG)
+# Overlap on: the timed steps run back to back, each launching the next (engine/launch_ahead.py),
+# and the step launched after the last one is left to the next step to read or discard.
+@pytest.fixture(scope="module", params=[False, True], ids=["overlap-off", "overlap-on"])
+def calibrated(small_vocab_dir: Path, request: pytest.FixtureRequest) -> LLMEngine:
+    config = EngineConfig(cuda_graphs=True, calibrate_arms=True, max_batch_size=4, overlap_steps=request.param)
+    return LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
 
 
 def test_every_captured_arm_is_timed_at_every_batch_bucket(calibrated: LLMEngine) -> None:
