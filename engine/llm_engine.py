@@ -172,6 +172,7 @@ class LLMEngine:
         overlap = engine_config.overlap_steps
         self.overlap_steps = device.type == "cuda" if overlap is None else overlap
         self._ahead: GraphedTreeStep | ARLaunch | None = None  # a step launched ahead (``_read_ahead``)
+        self._ahead_since = 0.0  # perf_counter when it was launched: its turn starts there
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
@@ -626,7 +627,7 @@ class LLMEngine:
         still may (``_may_launch_ahead``) and adaptive speculation would choose its budget again
         (else the next step chooses anew). None if none of them decodes any more: this engine
         step then takes the usual course."""
-        self._ahead = None
+        self._ahead, since = None, self._ahead_since
         runner = launched if isinstance(launched, GraphedTreeStep) else None
         batch = launched.seqs if isinstance(launched, ARLaunch) else launched.launched_ahead
         assert batch is not None
@@ -647,7 +648,6 @@ class LLMEngine:
         if self.adaptive is not None:
             chosen, _, sampled = self._choose_budget(seqs, False, closed)
             ahead = ahead and chosen == budget
-        start = time.perf_counter()
         if isinstance(launched, ARLaunch):
             self._autoregressive_step(seqs, outputs, ahead, launched)
             self._last_drafting = None
@@ -655,7 +655,16 @@ class LLMEngine:
             self._graphed_step(launched, seqs, outputs, ahead)
             self._last_drafting, self._last_runner = launched.budget, launched
         if self.adaptive is not None:
-            self.adaptive.observe(len(seqs), budget, time.perf_counter() - start, self._step_tokens, sampled)
+            # What the step cost is its turn: from its launch, through the host work that ran
+            # while the device computed it (the last step's commits, the caller's handling of
+            # its outputs), to the launch of its successor. Timed from the read alone, a step
+            # whose device work had finished during that host work cost nothing; one such step
+            # set the arm's fastest, which caps every later measurement at twice it, and the
+            # controller took autoregressive steps for ~free (the H200's batch 1, T=0.7, took
+            # them 277 times against 142 tree steps). A step read without launching one has no
+            # turn of its own (its successor is the next ``step``'s, timed there): not counted.
+            if self._ahead is not None:
+                self.adaptive.observe(len(seqs), budget, self._ahead_since - since, self._step_tokens, sampled)
             self._tick_yield_clock(budget, sampled)
         self.last_decode_budget = budget_label(budget)
         return outputs
@@ -814,6 +823,7 @@ class LLMEngine:
             hidden = launched.hidden if everyone else launched.hidden[rows]
         if ahead and self._may_launch_ahead_autoregressive(seqs):
             self._ahead = self._launch_autoregressive(seqs, tokens)
+            self._ahead_since = time.perf_counter()
         for i, seq in enumerate(seqs):
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
@@ -966,7 +976,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         results, timing = runner.run(seqs, ahead)
         if runner.launched_ahead is not None:
-            self._ahead = runner
+            self._ahead, self._ahead_since = runner, time.perf_counter()
         elapsed = time.perf_counter() - t0
         drafted = runner.N
         width = runner.budget.topk

@@ -127,6 +127,48 @@ def test_sampled_graphed_steps_launched_ahead_finish_every_request(small_vocab_d
     assert len(read) >= 3 and _free_blocks_are_zero(eng)
 
 
+@pytest.mark.parametrize("forced", ["none", "chain"])
+def test_a_step_launched_ahead_costs_its_whole_turn(small_vocab_dir: Path, forced: str) -> None:
+    """What adaptive speculation learns a step launched ahead costs is its turn: from its launch
+    to its successor's, the host work done meanwhile included (here a caller that spends 30 ms
+    on each step's outputs, as the device would compute the launched step meanwhile). Timed
+    from its read alone it cost ~nothing, and the controller took it for free. A lower bound:
+    a busy machine only lengthens the turns."""
+    import time  # noqa: PLC0415
+
+    from engine.spec.adaptive import NO_SPEC  # noqa: PLC0415
+
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"),
+                                    engine_config=EngineConfig(cuda_graphs=True, overlap_steps=True))  # fmt: skip
+    adaptive = eng.adaptive
+    assert adaptive is not None
+    arm = NO_SPEC if forced == "none" else adaptive.chain
+    adaptive.forced = arm
+    observed: list[tuple[bool, float]] = []  # (read ahead, seconds) of each step observed
+    reading = [False]
+    read_ahead, observe = eng._read_ahead, adaptive.observe
+
+    def read_ahead_spy(launched):  # type: ignore[no-untyped-def]
+        reading[0] = True
+        try:
+            return read_ahead(launched)
+        finally:
+            reading[0] = False
+
+    def observe_spy(batch_size, budget, seconds, tokens, sampled=False):  # type: ignore[no-untyped-def]
+        observed.append((reading[0], seconds))
+        observe(batch_size, budget, seconds, tokens, sampled)
+
+    eng._read_ahead = read_ahead_spy  # type: ignore[method-assign]
+    adaptive.observe = observe_spy  # type: ignore[method-assign]
+    eng.add_request("a", PROMPTS[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+        time.sleep(0.03)
+    ahead = [seconds for was_read_ahead, seconds in observed if was_read_ahead]
+    assert len(ahead) >= 5 and min(ahead) >= 0.03
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
 def test_a_random_stream_of_arrivals_aborts_and_stops_gives_the_same_greedy_outputs(
     small_vocab_dir: Path, spec: SpecConfig
