@@ -3,8 +3,10 @@ tool; the benchmark gives the figures).
 
 For each temperature and batch size, as ``mtpserve bench offline`` orders them: a warm-up round,
 then rounds that alternate the autoregressive engine and the adaptive one on the same prompts.
-Prints each round's speedup and, per adaptive decode step, the budget chosen, the batch, the
-rows the MTP modules were behind and the step's milliseconds (``L``: behind); then the
+Prints each round's speedup and, per adaptive decode step, the budget it ran (a step launched
+ahead is read whatever was chosen when it is), the batch, the rows the MTP modules were behind
+and the step's milliseconds (``L``: behind; steps are timed as served, without a
+synchronisation: with overlap on, a step's time is its turn, not its device work); then the
 baseline's steps of the same round (batch:ms), to compare step by step. A step that only
 prefills shows as ``P<n>:ms`` (``+cu<k>``: the MTP modules were caught up over k prompts in it).
 A step during which a garbage collection ran, a Triton kernel variant was built or loaded, or the
@@ -28,7 +30,7 @@ import time
 import torch
 
 from bench.contenders import load_base
-from bench.engine_run import run_batch, synchronize
+from bench.engine_run import run_batch
 from bench.prompts import load_prompts
 from bench.stall_probe import StallProbe, describe
 from engine import LLMEngine, SamplingParams, SpecConfig
@@ -62,12 +64,13 @@ def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
         caught_up.clear()
         before = probe.snapshot()
         start = time.perf_counter()
-        outs = step()
-        synchronize(eng.device)
+        outs = step()  # no synchronisation: with overlap a step's device work runs under the next's host work
         ms = (time.perf_counter() - start) * 1e3
         stalls = _stalls(probe, before)
         if last:
-            label, batch, lag = last[0]
+            # The budget the step ran: a step launched ahead is read whatever was chosen then.
+            chosen, batch, lag = last[0]
+            label = eng.last_decode_budget or chosen
             trace.append(f"{label}{'L' if lag else ''}:{batch}:{ms:.1f}{stalls}")
         elif outs:  # a prefill alone: its first tokens (and a catch-up over its prompts, if any)
             trace.append(f"P{len(outs)}{f'+cu{sum(caught_up)}' if caught_up else ''}:{ms:.1f}{stalls}")
@@ -90,7 +93,6 @@ def _timed(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
         before = probe.snapshot()
         start = time.perf_counter()
         outs = step()
-        synchronize(eng.device)
         decoded = [o for o in outs if o.step_drafted is not None]
         ms = (time.perf_counter() - start) * 1e3
         stalls = _stalls(probe, before)
