@@ -37,7 +37,7 @@ class SpecStats:
             self.accepted_per_position[d] += 1
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
