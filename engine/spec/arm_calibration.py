@@ -21,11 +21,11 @@ and host work one after the other. (Timed one at a time, with the device idle be
 each, the H200's autoregressive step at batch 256 was calibrated at 2.8 ms where the
 baseline's served steps took 2.1 ms without overlap and 1.8 ms with it, and adaptive
 speculation drafted at batch 256 where it lost 3-6%: session 27.) Greedy and sampled steps are
-timed separately (the sampled tree runs its own graphs). The engine is left as it was: the requests aborted (their
-blocks zeroed), the acceptance counters and adaptive state reset. Only step times are kept:
-what random prompts yield says nothing of real ones. An arm's yield is learnt by running it
-(``MeasuredArms.choose`` runs each drafting arm once early, where its catch-up fits the
-requests' horizon) and predicted from the live acceptance statistics.
+timed separately (the sampled tree runs its own graphs). The engine is left as it was: the
+requests aborted (their blocks zeroed), the acceptance counters and adaptive state reset. Only
+step times are kept: what random prompts yield says nothing of real ones. An arm's yield is
+learnt by running it (``MeasuredArms.choose`` runs each drafting arm once early, where its
+catch-up fits the requests' horizon) and predicted from the live acceptance statistics.
 """
 
 from __future__ import annotations
