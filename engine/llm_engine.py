@@ -554,9 +554,7 @@ class LLMEngine:
         self._catch_up_s = None
         self._step_tokens = 0
         if decode:
-            closed = not plan.prefill and not self.scheduler.num_waiting and (
-                self.closed_workload or self._steps_since_arrival >= QUIET_STEPS_FOR_CLOSED
-            )
+            closed = not plan.prefill and self._batch_closed()
             budget, lag, sampled = self._choose_budget(decode, bool(plan.prefill), closed)
             self.last_decode_budget = budget_label(budget)
             self._last_drafting = budget if budget.speculates else None
@@ -606,6 +604,13 @@ class LLMEngine:
                 self._tick_yield_clock(budget, sampled)
         return outputs
 
+    def _batch_closed(self) -> bool:
+        """Whether the running batch is closed: nothing waits, and the caller says no more will
+        come or none has for ``QUIET_STEPS_FOR_CLOSED`` steps (a step with a prefill is not)."""
+        return not self.scheduler.num_waiting and (
+            self.closed_workload or self._steps_since_arrival >= QUIET_STEPS_FOR_CLOSED
+        )
+
     def _tick_yield_clock(self, budget: TreeBudget, sampled: bool) -> None:
         """Count a drafting step and the tokens per sequence it was expected to yield."""
         if self.adaptive is not None and budget.speculates:
@@ -639,9 +644,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         self._step_tokens = 0
         self._step_caught_up, self._catch_up_s = False, None
-        closed = not self.scheduler.num_waiting and (
-            self.closed_workload or self._steps_since_arrival >= QUIET_STEPS_FOR_CLOSED
-        )
+        closed = self._batch_closed()
         budget = NO_SPEC if runner is None else runner.budget
         ahead = self._may_launch_ahead(seqs)
         sampled = False
