@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.spec.adaptive import NO_SPEC
+from engine.spec.adaptive import NO_SPEC, budget_label
 from engine.spec.drafter import steady_catch_up_rows
 from train.heldout import heldout_prompts
 
@@ -407,6 +407,44 @@ def test_adaptive_waits_for_the_device_only_after_host_driven_drafting(small_voc
     waits.clear()
     eng.step()  # steady drafting: the host path waits after its step; the graphed one never
     assert bool(waits) != graphed, waits
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["host-path", "graphed"])
+def test_a_drafting_step_next_to_a_prefill_neither_waits_nor_is_observed(small_vocab_dir: Path, graphed: bool) -> None:
+    """A decode step that shares its engine step with a prefill is not timed: timing it alone
+    would make the device idle while the host builds it (the prefill's work waited for first),
+    and its batch grows, so it is no steady step's cost. The steps without a prefill are."""
+    config = EngineConfig(cuda_graphs=True) if graphed else EngineConfig()
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
+    assert eng.adaptive is not None
+    eng.adaptive.choose = lambda *a, **k: eng.budget  # type: ignore[method-assign]
+    waits: list[str | None] = []
+    observed: list[int] = []
+    wait, observe = eng.wait_for_device, eng.adaptive.observe
+
+    def counted() -> None:
+        waits.append(eng.last_decode_budget)
+        wait()
+
+    def noted(batch_size: int, *args: object, **kwargs: object) -> None:
+        observed.append(batch_size)
+        observe(batch_size, *args, **kwargs)  # type: ignore[arg-type]
+
+    eng.wait_for_device = counted  # type: ignore[method-assign]
+    eng.adaptive.observe = noted  # type: ignore[method-assign]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", [1, 2, 3, 4, 5], sp)
+    for _ in range(3):  # the prefill, a catch-up and a steady drafting step
+        eng.step()
+    eng.add_request("b", [3, 4, 5, 1], sp)
+    waits.clear()
+    observed.clear()
+    outs = eng.step()  # "b" prefilled, "a" drafts next to it
+    assert eng.last_decode_budget == budget_label(eng.budget)
+    assert {o.request_id for o in outs} == {"a", "b"}
+    assert waits == [] and observed == []
+    eng.step()  # both decode, nothing prefilled: timed
+    assert observed == [2]
 
 
 def test_a_batch_counts_as_closed_when_the_caller_says_so_or_nothing_joined_for_a_while(
