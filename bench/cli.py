@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--overlap-steps", choices=["on", "off", "auto"], default="auto",
                      help="launch steady decode steps ahead of their host work "
                           "(EngineConfig.overlap_steps; auto: on CUDA, off on a CPU)")
+    off.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                     help="prompt tokens prefilled per step by every engine "
+                          "(EngineConfig.prefill_chunk_tokens; default: the engine's per device)")
     off.add_argument("--spin-ms", type=float, default=0.0,
                      help="GPU: milliseconds of matrix products before every run, so each starts "
                           "at the boost clock (an idle GPU's clock is a fraction of it)")
@@ -129,6 +132,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         check_tokens=args.check_tokens, kv_memory_mb=args.kv_memory_mb,
         time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour, freeze_gc=True,
         spin_ms=args.spin_ms, overlap_steps=None if args.overlap_steps == "auto" else args.overlap_steps == "on",
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     doc, ok = run_offline(settings, progress=not args.no_progress)
     from bench.results import read_json, write_json

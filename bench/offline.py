@@ -69,6 +69,8 @@ class OfflineSettings:
     freeze_gc: bool = False
     # Every engine's ``EngineConfig.overlap_steps``, the baseline's included (None: on CUDA).
     overlap_steps: bool | None = None
+    # Every engine's ``EngineConfig.prefill_chunk_tokens`` (None: the engine's default per device).
+    prefill_chunk_tokens: int | None = None
 
 
 def _log(msg: str) -> None:
@@ -205,7 +207,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     max_batch = max(s.batch_sizes)
     meta = run_metadata(s.device, s.model)
     base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
-                     s.kv_memory_mb, s.overlap_steps)
+                     s.kv_memory_mb, s.overlap_steps, s.prefill_chunk_tokens)
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
                                    s.num_prompts or max_batch, s.prompt_tokens)
     modes = build_modes(s.modes, s.tree_budgets)
@@ -268,7 +270,9 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
         add_costs(records, s.price_per_hour)
     result = {
         **meta,
-        "settings": {**asdict(s), "overlap_steps": base.overlap_steps},  # the effective value
+        # the effective values
+        "settings": {**asdict(s), "overlap_steps": base.overlap_steps,
+                     "prefill_chunk_tokens": base.scheduler.prefill_chunk_tokens},
         "prompts": source,
         "num_prompts": len(prompts),
         "modes": [m.label for m in modes],

@@ -133,7 +133,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
                 + (f"; each run after {s['spin_ms']:g} ms of GPU matrix products (boost clock)"
                    if s.get("spin_ms") else "")
                 + ("; steps launched ahead of their host work (overlap on), the baseline's too"
-                   if s.get("overlap_steps") else ""),
+                   if s.get("overlap_steps") else "")
+                + (f"; prompts prefilled {s['prefill_chunk_tokens']} tokens per step"
+                   if s.get("prefill_chunk_tokens") else ""),
                 f"- speedup vs ar is paired per round; tokens/s counts prefill; TPOT is per sequence "
                 f"after its first token; wall time {doc.get('wall_s')} s",
                 ""]

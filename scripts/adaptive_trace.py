@@ -116,10 +116,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--cprofile-batch", type=int, default=None)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="prompt tokens prefilled per step by both engines (default: the engine's)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    base = load_base(args.model, args.device, dtype, max(batches), args.prompt_tokens + args.max_new_tokens, None)
+    base = load_base(args.model, args.device, dtype, max(batches), args.prompt_tokens + args.max_new_tokens, None,
+                     prefill_chunk_tokens=args.prefill_chunk_tokens)
     adaptive = LLMEngine(base.model, base.tokenizer, base.eos_token_ids, SpecConfig(method="adaptive"),
                          base.config, base.device)
     assert adaptive.adaptive is not None

@@ -32,6 +32,8 @@
 # scripts/spec_step_profile.py on random weights, into RESULTS_DIR/step-profile.txt),
 # OVERLAP_STEPS (on, off or auto, default auto = on on CUDA: EngineConfig.overlap_steps of every
 # engine, the baseline's too),
+# PREFILL_CHUNK (prompt tokens prefilled per step by every engine, the baseline's too; default:
+# the engine's, 4096 on CUDA),
 # SPIN_MS (default 50: milliseconds of GPU matrix products before every timed run, so that each
 # starts at the boost clock; an idle H200 runs at 345 of 1980 MHz; 0: none; the stall counters
 # record runs begun below 90% of the maximum clock either way),
@@ -110,6 +112,7 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" \
     --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
     --spin-ms "${SPIN_MS:-50}" --overlap-steps "${OVERLAP_STEPS:-auto}" \
+    ${PREFILL_CHUNK:+--prefill-chunk-tokens "$PREFILL_CHUNK"} \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"
 LEFT=$(( END_S - ($(date +%s) - START) ))

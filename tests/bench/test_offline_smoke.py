@@ -22,7 +22,7 @@ def offline_result(tmp_path_factory: pytest.TempPathFactory, dense_model_dir: Pa
                "--batch-sizes", "1,2", "--temperatures", "0,0.7", "--max-new-tokens", "6",
                "--prompt-tokens", "8", "--repeats", "1", "--min-sequences", "2", "--warmup-tokens", "2",
                "--modes", "chain,tree,adaptive,transformers,transformers-mtp", "--tree-budgets", "3",
-               "--price-per-hour", "1.0", "--no-progress"])
+               "--price-per-hour", "1.0", "--prefill-chunk-tokens", "16", "--no-progress"])
     return rc, json.loads(out.read_text()), out
 
 
@@ -32,6 +32,8 @@ def test_json_has_every_field(offline_result: tuple[int, dict, Path]) -> None:
     for key in TOP_LEVEL:
         assert key in doc, key
     assert doc["prompts"] == "synthetic"  # the random checkpoint has no training manifest
+    # Every engine prefills 16 prompt tokens per step, not its default 512 (the value is recorded).
+    assert doc["settings"]["prefill_chunk_tokens"] == 16
     assert doc["runs"]
     # Every engine mode's build, stage by stage (the adaptive one calibrates at start-up).
     assert {"ar", "chain", "tree-3", "adaptive"} <= set(doc["startup_s"])
