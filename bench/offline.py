@@ -97,9 +97,12 @@ def greedy_check(contenders: list[Contender], prompts: list[list[int]], tokens: 
 def _check_in_other_dtype(s: OfflineSettings, prompts: list[list[int]], modes: list) -> dict[str, Any]:
     """``greedy_check`` on engines built in ``s.check_dtype`` for the check's batch only: their
     CUDA graphs are captured for its buckets, not the sweep's (on the H200 the float32 engines
-    for 256 took most of a sweep's start-up, to check a batch of 8)."""
+    for 256 took most of a sweep's start-up, to check a batch of 8). Otherwise configured as
+    the timed engines are (steps launched ahead or not, the prefill chunk), so the check covers
+    the paths the timed runs take."""
     assert s.check_dtype is not None
-    base = load_base(s.model, s.device, s.check_dtype, len(prompts), s.prompt_tokens + s.max_new_tokens, None)
+    base = load_base(s.model, s.device, s.check_dtype, len(prompts), s.prompt_tokens + s.max_new_tokens, None,
+                     s.overlap_steps, s.prefill_chunk_tokens)
     contenders, _ = build_contenders(s.model, base, modes, parse_dtype(s.check_dtype))
     result = greedy_check(contenders, prompts, s.check_tokens or s.max_new_tokens)
     del base, contenders

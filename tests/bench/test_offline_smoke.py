@@ -149,3 +149,29 @@ def test_check_dtype_none_skips_the_check_and_says_so(dense_model_dir: Path, tmp
     md = out.with_suffix(".md").read_text()
     assert "Skipped on request (--check-dtype none)" in md
     assert doc["settings"]["spin_ms"] == 20.0 and "each run after 20 ms of GPU matrix products" in md
+
+
+def test_the_check_in_another_dtype_runs_the_timed_engines_configuration(
+    dense_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The float32 check before a bf16 sweep builds engines of its own: they prefill in the
+    sweep's chunks and launch steps ahead as the sweep's do, so the check covers the paths timed."""
+    import bench.offline as offline
+
+    configs: list[tuple[str, int, bool]] = []
+    load = offline.load_base
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        eng = load(*args, **kwargs)  # type: ignore[arg-type]
+        configs.append((str(args[2]), eng.scheduler.prefill_chunk_tokens, eng.overlap_steps))
+        return eng
+
+    monkeypatch.setattr(offline, "load_base", recorded)
+    settings = offline.OfflineSettings(
+        model=str(dense_model_dir), dtype="bfloat16", check_dtype="float32", batch_sizes=[2],
+        temperatures=[0.0], max_new_tokens=4, prompt_tokens=8, modes=["chain"], repeats=1,
+        time_limit_s=0.0, prefill_chunk_tokens=16, overlap_steps=True,
+    )
+    doc, ok = offline.run_offline(settings, progress=False)
+    assert ok and doc["check"]["chain"]["match"]
+    assert configs == [("bfloat16", 16, True), ("float32", 16, True)]

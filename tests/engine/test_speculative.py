@@ -445,6 +445,13 @@ def test_a_drafting_step_next_to_a_prefill_neither_waits_nor_is_observed(small_v
     assert waits == [] and observed == []
     eng.step()  # both decode, nothing prefilled: timed
     assert observed == [2]
+    # Lossless all the same: the tokens are autoregressive decoding's.
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        got.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    ar = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+    want = ar.generate([[1, 2, 3, 4, 5], [3, 4, 5, 1]], sp)
+    assert [got["a"], got["b"]] == [w.token_ids for w in want]
 
 
 def test_a_batch_counts_as_closed_when_the_caller_says_so_or_nothing_joined_for_a_while(
