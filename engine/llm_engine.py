@@ -1153,13 +1153,14 @@ class LLMEngine:
             RequestOutput(
                 request_id=seq.request_id,
                 new_token_ids=emitted,
-                token_ids=seq.output_ids,  # a fresh list (a slice)
+                token_ids=seq.tokens,  # sliced when read: ``span``
                 finished=reason is not None,
                 finish_reason=reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 stats=seq.stats,
                 step_drafted=drafted,
                 step_accepted=accepted,
+                span=(seq.output_start, len(seq.tokens)),
             )
         )
         if reason:

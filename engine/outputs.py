@@ -37,17 +37,59 @@ class SpecStats:
             self.accepted_per_position[d] += 1
 
 
-@dataclass(slots=True)
 class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    stats: SpecStats
-    step_drafted: int | None = None  # drafts offered to this request in this step (None: no verify)
-    step_accepted: int | None = None  # drafts accepted in this step
+    """What one engine step produced for one request: the ids it added (``new_token_ids``) and
+    every id generated so far (``token_ids``, a new list at each read).
+
+    ``token_ids`` is a slice taken when read, not when the step builds the output: the engine
+    passes the sequence's own token list, which only ever grows, with ``span`` (start, end) of
+    the generated part at this step. Copied at every step, the generated ids of 256 requests of
+    1,000 tokens each had cost ~2.4 ms of host time per step on a 2-core CPU (a quadratic cost in
+    a request's length); a caller reading ``token_ids`` of the final output only pays it once."""
+
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens",
+                 "stats", "step_drafted", "step_accepted", "_tokens", "_span")  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        new_token_ids: list[int],
+        token_ids: list[int],
+        finished: bool,
+        finish_reason: str | None,
+        num_prompt_tokens: int,
+        stats: SpecStats,
+        step_drafted: int | None = None,  # drafts offered to this request in this step (None: no verify)
+        step_accepted: int | None = None,  # drafts accepted in this step
+        *,
+        span: tuple[int, int] | None = None,  # the part of ``token_ids`` generated so far (None: all)
+    ) -> None:
+        self.request_id = request_id
+        self.new_token_ids = new_token_ids
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.num_prompt_tokens = num_prompt_tokens
+        self.stats = stats
+        self.step_drafted = step_drafted
+        self.step_accepted = step_accepted
+        self._tokens = token_ids
+        self._span = (0, len(token_ids)) if span is None else span
+
+    @property
+    def token_ids(self) -> list[int]:
+        start, end = self._span
+        return self._tokens[start:end]
+
+    @property
+    def num_generated(self) -> int:
+        """``len(token_ids)``, without the copy."""
+        start, end = self._span
+        return end - start
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, new_token_ids={self.new_token_ids}, "
+                f"num_generated={self.num_generated}, finished={self.finished}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 @dataclass(frozen=True)

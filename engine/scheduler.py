@@ -43,7 +43,7 @@ class Scheduler:
         return -(-(num_tokens + self.scratch_tokens) // self.pool.block_size)
 
     def blocks_needed(self, seq: Sequence) -> int:
-        remaining = seq.sampling.max_tokens - len(seq.output_ids)
+        remaining = seq.sampling.max_tokens - seq.num_output_tokens
         return self.blocks_for(len(seq.tokens) + max(remaining, 0))
 
     def add(self, seq: Sequence) -> None:

@@ -82,6 +82,11 @@ class Sequence:
         return self.tokens[self.output_start :]
 
     @property
+    def num_output_tokens(self) -> int:
+        """``len(output_ids)``, without the copy."""
+        return len(self.tokens) - self.output_start
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_committed
 

@@ -59,7 +59,7 @@ class StepOutput:
         return cls(
             request_id=out.request_id,
             new_token_ids=tuple(int(t) for t in out.new_token_ids),
-            num_generated=len(out.token_ids),
+            num_generated=out.num_generated,
             finished=bool(out.finished),
             finish_reason=out.finish_reason,
             num_prompt_tokens=int(out.num_prompt_tokens),
