@@ -25,6 +25,8 @@ the padding logic is tested on CPU.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import warnings
 from collections.abc import Callable
 
@@ -96,6 +98,11 @@ class _Static:
         self.out = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # [n, H]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.padded_from = 0  # sequences from here on hold the padding's values
+        # The block tables ``load_decode`` left: per row, the sequence's block list (the list
+        # itself, held, so that no later list at a reused address can pass for it) and how many
+        # of its blocks the row holds, then -1s. Any other load forgets them.
+        self._table_lists: list[list[int]] = []
+        self._table_widths: list[int] = []
 
     def batch(self) -> AttentionBatch:
         return AttentionBatch(self.positions, self.slots, self.tables, self.ctx, self.starts, self.mask)
@@ -108,6 +115,7 @@ class _Static:
         self.slots[:n].copy_(batch.slot_mapping)
         self.tables[:num_seqs, :width].copy_(batch.block_tables)
         self.tables[:num_seqs, width:].fill_(-1)
+        self._table_lists, self._table_widths = [], []
         self.ctx[:num_seqs].copy_(batch.ctx_lens)
         self.mask[:n].copy_(batch.new_mask[:, :t])
         self._pad_unused(num_seqs)
@@ -117,6 +125,7 @@ class _Static:
         already padding since an earlier load (nothing but loads writes the inputs) are left
         as they are: a steady batch pads nothing."""
         end = self.padded_from
+        del self._table_lists[num_seqs:], self._table_widths[num_seqs:]
         if num_seqs < end:
             n, count = num_seqs * self.tokens, end - num_seqs
             stop = end * self.tokens
@@ -128,24 +137,49 @@ class _Static:
             self.mask[n:stop].copy_(self.pad_mask.repeat(count, 1))
         self.padded_from = num_seqs
 
-    def load_decode(self, tokens: list[int], tables: list[list[int]], contexts: list[int],
-                    block_size: int) -> None:
+    def load_decode(self, tokens: list[int], blocks: list[list[int]], widths: list[int],
+                    contexts: list[int], block_size: int) -> None:
         """One new token per sequence (``tokens[i]`` at position ``contexts[i]``, its context
-        length), written straight into the inputs: ids, positions and slots in one copy, the
-        block tables in another, the context lengths copied from the positions on the device
+        length, over the first ``widths[i]`` of its blocks ``blocks[i]``), written straight into
+        the inputs: ids, positions and slots in one copy, the block tables only where they
+        changed (``_load_tables``), the context lengths copied from the positions on the device
         (a one-row sequence's mask is always set). ``load`` of a ``build_batch`` made seven
         copies to the device and eight more into the inputs."""
         b = len(tokens)
         slots = [table[p // block_size] * block_size + p % block_size
-                 for table, p in zip(tables, contexts, strict=True)]  # fmt: skip
-        width = max(len(t) for t in tables)
+                 for table, p in zip(blocks, contexts, strict=True)]  # fmt: skip
         host = int_tensor(tokens + contexts + slots).view(3, b)  # [3, b]
         copy_to_device(self.id_pos_slot[:, :b], host)
-        copy_to_device(self.tables[:b, :width], int_table(tables, width, -1))
-        if width < self.tables.shape[1]:
-            self.tables[:b, width:].fill_(-1)
+        self._load_tables(blocks, widths)
         self.ctx[:b].copy_(self.positions[:b])
         self._pad_unused(b)
+
+    def _load_tables(self, blocks: list[list[int]], widths: list[int]) -> None:
+        """Rows ``0 .. len(blocks)`` of the block tables: row ``i`` the first ``widths[i]`` of
+        ``blocks[i]``, then -1s. Only the rows that differ from what the last ``load_decode``
+        left are written (a sequence's block list only grows, so the same list at the same width
+        is the same row): in a steady batch a row changes once every ``block_size`` steps. Built
+        whole at every step, the tables of 256 sequences of 1,000 tokens cost ~0.27 ms of host
+        time per step on a 2-core CPU, 64 tokens ~0.06 ms."""
+        b = len(blocks)
+        n = min(b, len(self._table_lists))
+        same = map(operator.and_, map(operator.is_, self._table_lists, blocks[:n]),
+                   map(operator.eq, self._table_widths, widths[:n]))  # fmt: skip
+        stale = [*itertools.compress(range(n), map(operator.not_, same)), *range(n, b)]
+        self._table_lists, self._table_widths = list(blocks), list(widths)
+        if not stale:
+            return
+        full = self.tables.shape[1]
+        if len(stale) == b:
+            width_all = max(widths)
+            copy_to_device(self.tables[:b, :width_all],
+                           int_table([t[:w] for t, w in zip(blocks, widths, strict=True)], width_all, -1))
+            if width_all < full:
+                self.tables[:b, width_all:].fill_(-1)
+            return
+        rows = int_table([blocks[i][: widths[i]] for i in stale], full, -1)  # [len(stale), full]
+        index = to_device(int_tensor(stale), self.tables.device)
+        self.tables.index_copy_(0, index, to_device(rows, self.tables.device))
 
     def load_padded(self, rows: list[SeqRows], block_size: int) -> None:
         """Prefill rows (each at most ``tokens`` new tokens, no per-query limits) padded to the
@@ -307,14 +341,15 @@ class StaticTargetForward:
         return 1 in self.token_counts and self._bucket(num_seqs) is not None and 0 < width <= self.max_blocks
 
     @torch.inference_mode()
-    def run_decode(self, tokens: list[int], tables: list[list[int]], contexts: list[int]) -> torch.Tensor:
+    def run_decode(self, tokens: list[int], blocks: list[list[int]], widths: list[int],
+                   contexts: list[int]) -> torch.Tensor:
         """Hidden states [B, H] of an autoregressive step (see ``_Static.load_decode``): the same
         forward as ``run`` over ``build_batch``'s inputs, with less host work."""
         b = len(tokens)
         bucket = self._bucket(b)
         assert bucket is not None
         st = self._static[(bucket, 1)]
-        st.load_decode(tokens, tables, contexts, self.pool.block_size)
+        st.load_decode(tokens, blocks, widths, contexts, self.pool.block_size)
         if st.graph is not None:
             st.graph.replay()
         else:

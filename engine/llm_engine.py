@@ -843,13 +843,14 @@ class LLMEngine:
         # per-block host work (an adaptive engine reserves a tree's scratch more than the
         # autoregressive baseline, and its autoregressive steps paid for it).
         bs = self.pool.block_size
-        tables = [seq.block_ids[: p // bs + 1] for seq, p in zip(seqs, positions, strict=True)]
+        widths = [p // bs + 1 for p in positions]
         static = self.static_forward
-        if static is not None and static.decode_fits(len(seqs), max(map(len, tables))):
-            # Straight into the captured step's inputs (two copies to the device, no batch).
-            return static.run_decode(tokens, tables, positions)
-        rows = [SeqRows(table, p, [token], [p], causal_mask(1))
-                for table, token, p in zip(tables, tokens, positions, strict=True)]  # fmt: skip
+        if static is not None and static.decode_fits(len(seqs), max(widths)):
+            # Straight into the captured step's inputs (one copy to the device, and the rows of
+            # the block tables that changed: ``_Static.load_decode``).
+            return static.run_decode(tokens, [seq.block_ids for seq in seqs], widths, positions)
+        rows = [SeqRows(seq.block_ids[:w], p, [token], [p], causal_mask(1))
+                for seq, w, token, p in zip(seqs, widths, tokens, positions, strict=True)]  # fmt: skip
         ids, batch = build_batch(rows, bs, self.device)
         return self._forward_target(ids, batch, 1)
 

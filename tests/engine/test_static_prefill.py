@@ -141,3 +141,48 @@ def test_direct_decode_loads_follow_a_batch_that_shrinks_and_grows(small_vocab_d
     assert 4 in sizes and 3 in sizes and 1 in sizes and sizes.index(1) < len(sizes) - 1, sizes
     assert sizes[-1] <= sizes[sizes.index(1) + 1], "the late request joined a smaller batch"
     assert torch.count_nonzero(static.pool.kv_cache) == 0, "every freed block and scratch zeroed"
+
+
+def test_direct_decode_loads_rewrite_only_the_table_rows_that_changed(
+    small_vocab_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_decode`` builds and copies only the block-table rows whose sequence or width
+    changed since the last decode load. After every load each real row must still be its
+    sequence's blocks up to the new token, then -1s, while rows move as requests finish out of
+    order, a late request joins, and contexts cross block boundaries (4-token blocks)."""
+    import engine.cuda_graphs as cuda_graphs
+
+    config = EngineConfig(cuda_graphs=True, prefill_chunk_tokens=64, block_size=4)
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"), engine_config=config)
+    forward = eng.static_forward
+    assert forward is not None
+    checked: list[tuple[int, int]] = []  # (batch, table rows built)
+    built: list[int] = []
+    int_table = cuda_graphs.int_table
+    monkeypatch.setattr(cuda_graphs, "int_table", lambda rows, *a: built.append(len(rows)) or int_table(rows, *a))
+    original = forward.run_decode
+
+    def checking(tokens: list[int], blocks: list[list[int]], widths: list[int], contexts: list[int]) -> torch.Tensor:
+        built.clear()
+        hidden = original(tokens, blocks, widths, contexts)
+        st = forward._static[(forward._bucket(len(tokens)), 1)]
+        for i, (table, w) in enumerate(zip(blocks, widths, strict=True)):
+            want = table[:w] + [-1] * (st.tables.shape[1] - w)
+            assert st.tables[i].tolist() == want, (i, w)
+        checked.append((len(tokens), sum(built)))
+        return hidden
+
+    forward.run_decode = checking  # type: ignore[method-assign]
+    lengths = [14, 6, 11, 3]
+    for i, (prompt, n) in enumerate(zip(PROMPTS, lengths, strict=True)):
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        if steps == 5:
+            eng.add_request("late", PROMPTS[1], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    assert len(checked) > 10
+    # A steady row changes once per 4 tokens: most loads build few rows, some none.
+    assert sum(w for _, w in checked) < sum(b for b, _ in checked) / 2, checked
+    assert any(w == 0 for _, w in checked), checked
