@@ -158,9 +158,10 @@ class _Static:
         """Rows ``0 .. len(blocks)`` of the block tables: row ``i`` the first ``widths[i]`` of
         ``blocks[i]``, then -1s. Only the rows that differ from what the last ``load_decode``
         left are written (a sequence's block list only grows, so the same list at the same width
-        is the same row): in a steady batch a row changes once every ``block_size`` steps. Built
-        whole at every step, the tables of 256 sequences of 1,000 tokens cost ~0.27 ms of host
-        time per step on a 2-core CPU, 64 tokens ~0.06 ms."""
+        is the same row): in a steady batch a row changes once every ``block_size`` steps. With
+        every row rebuilt, a load of 256 sequences took 420 us of host time at 1,000-token
+        contexts on a 2-core CPU, against 81 us (157 against 64 at 64 tokens;
+        ``scripts/decode_load_cost.py``)."""
         b = len(blocks)
         n = min(b, len(self._table_lists))
         same = map(operator.and_, map(operator.is_, self._table_lists, blocks[:n]),
@@ -215,6 +216,7 @@ class _Static:
             if k > 1 and not torch.equal(r.mask, self.pad_mask_host[:k, :k]):
                 mask[i, :k, :k] = r.mask
         n_all = b * t
+        self._table_lists, self._table_widths = [], []  # the tables below are not ``load_decode``'s
         copy_to_device(self.ids[:n_all], int_tensor(ids))
         copy_to_device(self.positions[:n_all], entry.flatten())
         copy_to_device(self.slots[:n_all], slots.flatten())
