@@ -125,7 +125,6 @@ class _Static:
         already padding since an earlier load (nothing but loads writes the inputs) are left
         as they are: a steady batch pads nothing."""
         end = self.padded_from
-        del self._table_lists[num_seqs:], self._table_widths[num_seqs:]
         if num_seqs < end:
             n, count = num_seqs * self.tokens, end - num_seqs
             stop = end * self.tokens
