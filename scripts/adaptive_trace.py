@@ -5,9 +5,10 @@ For each temperature and batch size, as ``mtpserve bench offline`` orders them: 
 then rounds that alternate the autoregressive engine and the adaptive one on the same prompts.
 Prints each round's speedup and, per adaptive decode step, the budget it ran (a step launched
 ahead is read whatever was chosen when it is), the batch, the rows the MTP modules were behind
-and the step's milliseconds (``L``: behind; steps are timed as served, without a
-synchronisation: with overlap on, a step's time is its turn, not its device work); then the
-baseline's steps of the same round (batch:ms), to compare step by step. A step that only
+and the step's milliseconds (``L``: behind; ``F``: it also prefilled; steps are timed as served,
+without a synchronisation: with overlap on, a step's time is its turn, not its device work);
+then the baseline's steps of the same round (batch:ms, ``F`` as above), to compare step by step.
+``--method tree`` or ``chain`` traces a fixed budget's engine instead of the adaptive one. A step that only
 prefills shows as ``P<n>:ms`` (``+cu<k>``: the MTP modules were caught up over k prompts in it).
 A step during which a garbage collection ran, a Triton kernel variant was built or loaded, or the
 CUDA allocator allocated device memory carries it in brackets (``bench.stall_probe``), e.g.
@@ -41,11 +42,11 @@ from engine.spec.adaptive import budget_label
 def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
     """Wrap ``eng.step`` to append one entry per decode step: budget:batch:lag:ms."""
     choose, step = eng._choose_budget, eng.step
-    last: list[tuple[str, int, int]] = []
+    last: list[tuple[str, int, int, bool]] = []
 
     def choose_traced(seqs, filling=False, closed=False):  # type: ignore[no-untyped-def]
         budget, lag, sampled = choose(seqs, filling, closed)
-        last.append((budget_label(budget), len(seqs), lag))
+        last.append((budget_label(budget), len(seqs), lag, filling))
         return budget, lag, sampled
 
     caught_up: list[int] = []
@@ -69,9 +70,11 @@ def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
         stalls = _stalls(probe, before)
         if last:
             # The budget the step ran: a step launched ahead is read whatever was chosen then.
-            chosen, batch, lag = last[0]
+            chosen, batch, lag, filling = last[0]
             label = eng.last_decode_budget or chosen
-            trace.append(f"{label}{'L' if lag else ''}:{batch}:{ms:.1f}{stalls}")
+            # ``F``: the step also prefilled (``+cu<k>``: and caught k prompts up in it).
+            fill = f"F{f'+cu{sum(caught_up)}' if caught_up else ''}" if filling else ""
+            trace.append(f"{label}{'L' if lag else ''}{fill}:{batch}:{ms:.1f}{stalls}")
         elif outs:  # a prefill alone: its first tokens (and a catch-up over its prompts, if any)
             trace.append(f"P{len(outs)}{f'+cu{sum(caught_up)}' if caught_up else ''}:{ms:.1f}{stalls}")
         return outs
@@ -97,7 +100,8 @@ def _timed(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
         ms = (time.perf_counter() - start) * 1e3
         stalls = _stalls(probe, before)
         if decoded:
-            trace.append(f"{len(decoded)}:{ms:.1f}{stalls}")
+            fill = "F" if len(decoded) < len(outs) else ""  # it also prefilled (first tokens out)
+            trace.append(f"{fill}{len(decoded)}:{ms:.1f}{stalls}")
         elif outs:  # a prefill alone
             trace.append(f"P{len(outs)}:{ms:.1f}{stalls}")
         return outs
@@ -116,6 +120,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--cprofile-batch", type=int, default=None)
+    parser.add_argument("--method", default="adaptive", choices=["adaptive", "tree", "chain"],
+                        help="the speculating engine traced (default adaptive)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="prompt tokens prefilled per step by both engines (default: the engine's)")
     args = parser.parse_args()
@@ -123,10 +129,10 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     base = load_base(args.model, args.device, dtype, max(batches), args.prompt_tokens + args.max_new_tokens, None,
                      prefill_chunk_tokens=args.prefill_chunk_tokens)
-    adaptive = LLMEngine(base.model, base.tokenizer, base.eos_token_ids, SpecConfig(method="adaptive"),
+    adaptive = LLMEngine(base.model, base.tokenizer, base.eos_token_ids, SpecConfig(method=args.method),
                          base.config, base.device)
-    assert adaptive.adaptive is not None
-    adaptive.use_acceptance_prior(args.model)  # as ``LLMEngine.from_pretrained`` does
+    if adaptive.adaptive is not None:
+        adaptive.use_acceptance_prior(args.model)  # as ``LLMEngine.from_pretrained`` does
     prompts, source = load_prompts(args.model, base.tokenizer, base.model_config.vocab_size, max(batches),
                                    args.prompt_tokens)
     print(f"model {args.model} on {args.device} ({dtype}), prompts {source}")
