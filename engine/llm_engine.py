@@ -538,6 +538,7 @@ class LLMEngine:
             read = self._read_ahead(self._ahead)
             if read is not None:
                 return read
+        step_start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if plan.prefill:
@@ -563,7 +564,8 @@ class LLMEngine:
             # builds the step. The steps without a prefill measure what each arm costs. (Timed
             # alone, each of the 3 chain-4 steps filling the H200's batch 256 took ~5-7 ms more
             # than the baseline's autoregressive one, ~2.3 ms of it that idle device; their batch
-            # grows in each, so neither was a steady step's cost.)
+            # grows in each, so neither was a steady step's cost.) The whole filling step is
+            # timed instead, prefill included, for the filling choice (below).
             timed = self.adaptive is not None and not plan.prefill
             start = time.perf_counter()
             host_step = False  # a host-driven speculative step leaves device work queued
@@ -601,6 +603,14 @@ class LLMEngine:
                     self.adaptive.observe_catch_up(len(decode), budget, seconds, lag, sampled)
                 else:
                     self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
+            elif self.adaptive is not None and not self._step_caught_up:
+                # A filling step, timed whole from its prefill: what a filling step of this arm
+                # costs (``MeasuredArms.observe_filling``), apart from the steady costs. (Its
+                # reads have waited for the prefill's device work; a host-path step's KV
+                # compaction may still be queued, as small as a steady step's.)
+                self.adaptive.observe_filling(
+                    len(decode), budget, time.perf_counter() - step_start, self._step_tokens, sampled
+                )
             self._tick_yield_clock(budget, sampled)
         return outputs
 
@@ -699,8 +709,11 @@ class LLMEngine:
         summary = self._summary
         if summary is None or summary.key != key or summary.age >= SUMMARY_REFRESH:
             summary = _BatchSummary(key, *self._decode_summary(seqs), age=0)
+        filled = None
+        if filling:  # the batch it is headed for: running (prefilling too) and waiting requests
+            filled = min(len(self.scheduler.running) + self.scheduler.num_waiting, self.config.max_batch_size)
         budget = self.adaptive.choose(
-            self, len(seqs), summary.sampled, summary.lag, summary.left, filling, closed
+            self, len(seqs), summary.sampled, summary.lag, summary.left, filling, closed, filled_batch=filled
         )
         self._summary = None if budget.speculates else summary._replace(
             lag=summary.lag + len(seqs), left=summary.left - 1, age=summary.age + 1

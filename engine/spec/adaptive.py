@@ -124,6 +124,13 @@ class AdaptiveController:
         the choice)."""
         self.arms.observe(batch_size, sampled, budget, seconds, tokens)
 
+    def observe_filling(
+        self, batch_size: int, budget: TreeBudget, seconds: float, tokens: int, sampled: bool = False
+    ) -> None:
+        """Record one whole engine step that prefilled and decoded ``batch_size`` sequences with
+        ``budget`` (``MeasuredArms.observe_filling``)."""
+        self.arms.observe_filling(batch_size, sampled, budget, seconds, tokens)
+
     def observe_catch_up(
         self, batch_size: int, budget: TreeBudget, seconds: float, lag_rows: int,
         sampled: bool = False, timed_alone: bool = False,
@@ -136,11 +143,12 @@ class AdaptiveController:
     def choose(
         self, engine: LLMEngine, batch_size: int, sampled: bool = False, lag_rows: int = 0,
         tokens_left: float | None = None, filling: bool = False, closed: bool = False,
+        filled_batch: int | None = None,
     ) -> TreeBudget:
         """The budget for this step; ``lag_rows``: rows the MTP modules are behind;
         ``tokens_left``: tokens each sequence may still generate, on average; ``filling``:
-        requests are being admitted into the batch; ``closed``: none waits or is in prefill
-        (``MeasuredArms.choose``)."""
+        requests are being admitted into the batch (``filled_batch``: the size it is headed
+        for); ``closed``: none waits or is in prefill (``MeasuredArms.choose``)."""
         if self.forced is not None:
             return self.forced
         self._choices += 1
@@ -151,7 +159,7 @@ class AdaptiveController:
             tree = self._planned_tree(engine)
             arms = [self.chain] if tree == self.chain else [self.chain, tree]
         chosen = self.arms.choose(
-            batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling, closed
+            batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling, closed, filled_batch
         )
         self.steps_per_arm[chosen] += 1
         return chosen

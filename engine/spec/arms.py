@@ -60,6 +60,14 @@ chunk of a filling batch ends, whether the batch it becomes would switch to draf
 catch-up of all its prompts counted (``drafting_arm``, which decides as ``choose`` would but
 records nothing); if so it catches each chunk up in its prefill, and the chunks already
 prefilled, nothing left to catch up, may draft while the rest are prefilled.
+
+Whether they do is decided by what filling steps cost, measured apart from the steady steps
+(``observe_filling``: the whole engine step, its prefill included, per decode batch bucket and
+arm). A filling drafting step costs more than a steady one: the prefill runs first and the
+newcomers' rows are loaded from the host. So a filling step drafts only if what its filling step
+costs beyond the autoregressive one's buys more than it costs: the tokens it makes beyond one
+per sequence, each one the filled batch need not make later at its steady cost per token, plus
+the rows an autoregressive step would leave to catch up (``_filling_arm``).
 """
 
 from __future__ import annotations
@@ -86,6 +94,7 @@ FLOOR_RISE = 0.05  # EWMA weight of a dearer step in an arm's floor cost per tok
 HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it is made afresh
 YIELD_PRIOR_SEQ_STEPS = 16.0  # sequence-steps of measurement the simulator's yield counts as
 CALIBRATED_MARGIN = 1.5  # a switch weighed on a drafting cost only calibrated must clear this
+FILL_REMEASURE = 32  # free filling choices of a bucket between runs of the filling arm not chosen
 
 
 @dataclass
@@ -167,6 +176,9 @@ class MeasuredArms:
         # The simulator's tokens per sequence per step of each drafting arm (sampled, arm).
         # (sampled, arm) -> (predicted tokens per step, the sequence-steps it counts as)
         self._predicted: dict[tuple[bool, TreeBudget], tuple[float, float]] = {}
+        # Whole engine steps that prefilled and decoded, per decode batch bucket and arm
+        # (``observe_filling``): apart from the steady costs, which they would distort.
+        self._fill: dict[tuple[int, bool], _Bucket] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -200,6 +212,27 @@ class MeasuredArms:
         self._bucket(batch_size.bit_length(), sampled).costs[arm] = StepCost(
             seconds, float(batch_size), float(batch_size), MIN_MEASURED, seconds, seconds / batch_size
         )
+
+    def observe_filling(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, tokens: int) -> None:
+        """One whole engine step that prefilled requests joining the batch and decoded its
+        ``batch_size`` sequences with ``arm``: its wall time from the prefill's start to the
+        decode's last read (the same prefill work under either arm, and for a drafting arm
+        the newcomers' batch rows loaded afresh) and the tokens the decode produced."""
+        if tokens <= 0:
+            return
+        bucket = self._fill.setdefault((batch_size.bit_length(), sampled), _Bucket())
+        cost = bucket.costs.get(arm)
+        if cost is None:
+            bucket.costs[arm] = StepCost(
+                seconds, float(batch_size), float(tokens), 1, seconds, seconds / tokens, served=1
+            )
+        else:
+            cost.add(seconds, batch_size, tokens)
+
+    def filling_cost(self, batch_size: int, sampled: bool, arm: TreeBudget) -> StepCost | None:
+        """``arm``'s measured filling step at ``batch_size``'s bucket (None: none measured)."""
+        bucket = self._fill.get((batch_size.bit_length(), sampled))
+        return None if bucket is None else bucket.costs.get(arm)
 
     def observe_counterfactual_yield(self, batch_size: int, sampled: bool, arm: TreeBudget, tokens: int) -> None:
         """The ``tokens`` drafting ``arm`` would have produced in a step another arm ran over
@@ -344,6 +377,7 @@ class MeasuredArms:
     def choose(
         self, batch_size: int, sampled: bool, arms: list[TreeBudget], lag_rows: int = 0,
         tokens_left: float | None = None, filling: bool = False, closed: bool = False,
+        filled_batch: int | None = None,
     ) -> TreeBudget:
         """The arm for this step (``arms`` in a fixed order, no speculation first); ``lag_rows``:
         rows the MTP modules are behind (what a drafting step would first catch up);
@@ -353,7 +387,15 @@ class MeasuredArms:
         ``closed``: nothing joins the batch (none waiting or in prefill, and the caller said so
         or no request arrived for a while: ``LLMEngine.step``), so it only shrinks and a drafting
         arm is charged for its drain (``engine.spec.drain``) whenever the spread of yields
-        is known, also while it drafts."""
+        is known, also while it drafts; ``filled_batch``: the batch size a filling batch is
+        headed for (its running and waiting requests, up to the batch limit; default
+        ``batch_size``), where the tokens a filling step makes would otherwise be made.
+
+        A filling step drafts only where its measured filling steps say it pays
+        (``_filling_arm``): its newcomers' rows are loaded afresh and its prefill runs first, so
+        a steady step's cost does not tell (the demo model on an H200, 128-token prefill chunks:
+        a tree step filling batch 64 took ~3.2 ms against ~1.5 ms for an autoregressive one,
+        and drafting through the fill ran 0.75-0.89x autoregressive decoding)."""
         target = batch_size.bit_length()
         bucket = self._bucket(target, sampled)
         bucket.steps += 1
@@ -368,7 +410,7 @@ class MeasuredArms:
             self._held = None
             return self._ran(bucket, arms[0])
         key = (target, sampled, tuple(arms), lag_rows > 0)
-        if self._held is not None and self._held[0] == key and bucket.steps < self._held[2]:
+        if not filling and self._held is not None and self._held[0] == key and bucket.steps < self._held[2]:
             return self._ran(bucket, self._held[1])
         estimates, best = self._cheapest(target, sampled, arms)
         if best is None:  # nothing measured anywhere: run every arm in turn
@@ -389,6 +431,14 @@ class MeasuredArms:
             return self._explore(bucket, chosen)
         step = estimates[chosen].step  # type: ignore[union-attr]
         chosen_cost = estimates[chosen].per_token  # type: ignore[union-attr]
+        if filling:
+            # Not a steady step: no steady arm is explored in it (its time is the fill's).
+            after = chosen_cost
+            if filled_batch is not None and filled_batch.bit_length() != target:
+                later, cheapest = self._cheapest(filled_batch.bit_length(), sampled, arms)
+                if cheapest is not None:
+                    after = later[cheapest].per_token  # type: ignore[union-attr]
+            return self._ran(bucket, self._filling_arm(target, sampled, arms[0], chosen, batch_size, after))
         overdue = []
         for arm, est in estimates.items():
             if arm == chosen:
@@ -579,6 +629,39 @@ class MeasuredArms:
                     if mine is not None and base is not None and base < mine:
                         return False
         return est.source > target or est.per_token <= 1.1 * chosen_cost
+
+    def _filling_arm(
+        self, target: int, sampled: bool, no_spec: TreeBudget, chosen: TreeBudget, batch_size: int,
+        after_cost: float,
+    ) -> TreeBudget:
+        """The arm of a filling step whose steady choice is ``chosen``, by the filling steps
+        measured in its bucket: a drafting arm only if what its filling step costs beyond the
+        autoregressive one's is less than the tokens it makes beyond one per sequence are worth
+        (each one the filled batch need not make later, at ``after_cost`` seconds per token)
+        plus the rows an autoregressive step would leave the MTP modules to catch up.
+
+        Drafting's filling steps are measured first (the steady costs chose it), then the
+        autoregressive one's (an autoregressive step leaves the batch behind, so the fill's
+        later steps decode autoregressively too: ``choose``); afterwards the arm not chosen runs
+        every ``FILL_REMEASURE`` free filling choices of the bucket."""
+        if not chosen.speculates:
+            return chosen
+        fill = self._fill.setdefault((target, sampled), _Bucket())
+        fill.steps += 1
+        mine, base = fill.costs.get(chosen), fill.costs.get(no_spec)
+        if mine is None or mine.count < MIN_MEASURED:
+            pick = chosen
+        elif base is None or base.count < MIN_MEASURED:
+            pick = no_spec
+        else:
+            extra_tokens = batch_size * max((self.arm_yield(sampled, chosen) or 1.0) - 1.0, 0.0)
+            worth = extra_tokens * after_cost + self.catch_up.row_seconds(batch_size)
+            drafts = mine.seconds - base.seconds < worth
+            pick, other = (chosen, no_spec) if drafts else (no_spec, chosen)
+            if fill.steps - fill.last_run.get(other, 0) >= FILL_REMEASURE:
+                pick = other
+        fill.last_run[pick] = fill.steps
+        return pick
 
     def _explore(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
         self._run = (arm, RUN - 1)

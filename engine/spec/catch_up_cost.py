@@ -53,6 +53,14 @@ class CatchUpCost:
         fixed, per_row = self._fit
         return fixed + per_row * rows
 
+    def row_seconds(self, rows: int) -> float:
+        """What ``rows`` more rows add to a catch-up paid anyway: the part per row alone."""
+        if rows <= 0:
+            return 0.0
+        if self._fit is None:
+            self._fit = self._refit()
+        return self._fit[1] * rows
+
     def _refit(self) -> tuple[float, float]:
         points = [*self._calibrated, *self._measured]
         if not points:

@@ -9,7 +9,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.spec.adaptive import NO_SPEC, budget_label
-from engine.spec.drafter import steady_catch_up_rows
+from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 from train.heldout import heldout_prompts
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -410,17 +410,19 @@ def test_adaptive_waits_for_the_device_only_after_host_driven_drafting(small_voc
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["host-path", "graphed"])
-def test_a_drafting_step_next_to_a_prefill_neither_waits_nor_is_observed(small_vocab_dir: Path, graphed: bool) -> None:
-    """A decode step that shares its engine step with a prefill is not timed: timing it alone
-    would make the device idle while the host builds it (the prefill's work waited for first),
-    and its batch grows, so it is no steady step's cost. The steps without a prefill are."""
+def test_a_drafting_step_next_to_a_prefill_neither_waits_nor_counts_as_steady(small_vocab_dir: Path, graphed: bool) -> None:
+    """A decode step that shares its engine step with a prefill is not timed alone: that would
+    make the device idle while the host builds it (the prefill's work waited for first), and
+    its batch grows, so it is no steady step's cost. The whole engine step is timed instead, as
+    a filling step of its arm; the steps without a prefill are steady."""
     config = EngineConfig(cuda_graphs=True) if graphed else EngineConfig()
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
     assert eng.adaptive is not None
     eng.adaptive.choose = lambda *a, **k: eng.budget  # type: ignore[method-assign]
     waits: list[str | None] = []
     observed: list[int] = []
-    wait, observe = eng.wait_for_device, eng.adaptive.observe
+    filling: list[tuple[int, str, float, int]] = []
+    wait, observe, observe_filling = eng.wait_for_device, eng.adaptive.observe, eng.adaptive.observe_filling
 
     def counted() -> None:
         waits.append(eng.last_decode_budget)
@@ -430,8 +432,13 @@ def test_a_drafting_step_next_to_a_prefill_neither_waits_nor_is_observed(small_v
         observed.append(batch_size)
         observe(batch_size, *args, **kwargs)  # type: ignore[arg-type]
 
+    def noted_filling(batch_size: int, budget: TreeBudget, seconds: float, tokens: int, sampled: bool = False) -> None:
+        filling.append((batch_size, budget_label(budget), seconds, tokens))
+        observe_filling(batch_size, budget, seconds, tokens, sampled)
+
     eng.wait_for_device = counted  # type: ignore[method-assign]
     eng.adaptive.observe = noted  # type: ignore[method-assign]
+    eng.adaptive.observe_filling = noted_filling  # type: ignore[method-assign]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     eng.add_request("a", [1, 2, 3, 4, 5], sp)
     for _ in range(3):  # the prefill, a catch-up and a steady drafting step
@@ -439,12 +446,17 @@ def test_a_drafting_step_next_to_a_prefill_neither_waits_nor_is_observed(small_v
     eng.add_request("b", [3, 4, 5, 1], sp)
     waits.clear()
     observed.clear()
+    filling.clear()
     outs = eng.step()  # "b" prefilled, "a" drafts next to it
     assert eng.last_decode_budget == budget_label(eng.budget)
     assert {o.request_id for o in outs} == {"a", "b"}
     assert waits == [] and observed == []
+    assert len(filling) == 1 and filling[0][:2] == (1, budget_label(eng.budget))
+    assert filling[0][2] > 0 and filling[0][3] == len(next(o for o in outs if o.request_id == "a").new_token_ids)
+    cost = eng.adaptive.arms.filling_cost(1, False, eng.budget)
+    assert cost is not None and cost.count == 1
     eng.step()  # both decode, nothing prefilled: timed
-    assert observed == [2]
+    assert observed == [2] and len(filling) == 1
     # Lossless all the same: the tokens are autoregressive decoding's.
     got: dict[str, list[int]] = {}
     while eng.has_unfinished_requests():

@@ -597,3 +597,47 @@ def test_a_filling_batch_asks_whether_it_will_draft_once_full_without_choosing(
     for lag in (6400, 6400, 0, 0):
         assert arms.choose(64, False, [NO_SPEC, CHAIN], lag, tokens_left) == other.choose(
             64, False, [NO_SPEC, CHAIN], lag, tokens_left)  # fmt: skip
+
+
+def _filling(chain_fill: float, steps: int) -> tuple[MeasuredArms, list[TreeBudget]]:
+    """Filling steps at batch 32 where the chain is the steady choice (12.5 us per token
+    against 31 for autoregressive steps) and a filling step costs ``chain_fill`` seconds
+    drafting, 1.5 ms autoregressive (the prefill in both)."""
+    arms = MeasuredArms(explore_every=10_000)
+    for _ in range(3):
+        arms.observe(32, False, NO_SPEC, 0.0010, 32)
+        arms.observe(32, False, CHAIN, 0.0016, 128)
+    chosen = []
+    for _ in range(steps):
+        arm = arms.choose(32, False, [NO_SPEC, CHAIN], 0, tokens_left=200, filling=True, filled_batch=32)
+        arms.observe_filling(32, False, arm, chain_fill if arm.speculates else 0.0015, 128 if arm.speculates else 32)
+        chosen.append(arm)
+    return arms, chosen
+
+
+@pytest.mark.parametrize(("chain_fill", "drafts"), [(0.0032, False), (0.0017, True)])
+def test_a_filling_step_drafts_only_where_its_filling_steps_pay(chain_fill: float, drafts: bool) -> None:
+    """As the demo model's batch 64 filling by 128-token prefill chunks on an H200: a tree step
+    next to a prefill took ~3.2 ms, an autoregressive one ~1.5 ms, and drafting through the fill
+    ran 0.75-0.89x autoregressive decoding. Drafting's filling steps are measured first, then
+    the autoregressive one's; then the chain drafts only if its 3 extra tokens per sequence,
+    worth 1.2 ms at its steady 12.5 us per token, cost less than that beyond the
+    autoregressive filling step (0.2 ms does, 1.7 ms does not). The steady costs stay."""
+    arms, chosen = _filling(chain_fill, 12)
+    assert chosen[:3] == [CHAIN] * 3 and chosen[3:6] == [NO_SPEC] * 3
+    assert set(chosen[6:]) == {CHAIN if drafts else NO_SPEC}
+    assert arms.per_token(6, False, CHAIN) == pytest.approx(0.0016 / 128)
+    assert arms.per_token(6, False, NO_SPEC) == pytest.approx(0.0010 / 32)
+    fill = arms.filling_cost(32, False, CHAIN)
+    assert fill is not None and fill.seconds == pytest.approx(chain_fill)
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_the_filling_arm_not_chosen_is_re_run_now_and_then(drafts: bool) -> None:
+    """Once both filling costs are known, the arm not chosen runs once every FILL_REMEASURE
+    free filling choices of the bucket (filling steps change with the prompts and the chunk)."""
+    from engine.spec.arms import FILL_REMEASURE
+
+    _, chosen = _filling(0.0017 if drafts else 0.0032, 6 + 2 * FILL_REMEASURE + 2)
+    other = NO_SPEC if drafts else CHAIN
+    assert chosen[6:].count(other) == 2
