@@ -35,6 +35,7 @@ def test_a_step_during_a_collection_is_marked() -> None:
         def step(self) -> list[SimpleNamespace]:
             if self.collect:
                 gc.collect()
+            # One sequence decoded, another got its first token: the step also prefilled (F).
             return [SimpleNamespace(step_drafted=1), SimpleNamespace(step_drafted=None)]
 
     with StallProbe() as probe:
@@ -43,8 +44,8 @@ def test_a_step_during_a_collection_is_marked() -> None:
             eng = Engine(collect)
             module._timed(eng, trace, probe)  # type: ignore[attr-defined]
             eng.step()
-    assert "[" not in trace[0] and trace[0].startswith("1:")
-    assert trace[1].startswith("1:") and "[gc " in trace[1], trace
+    assert "[" not in trace[0] and trace[0].startswith("F1:")
+    assert trace[1].startswith("F1:") and "[gc " in trace[1], trace
 
 
 def test_the_trace_runs_on_the_demo_model() -> None:
