@@ -52,6 +52,9 @@ class BatchRun:
     # Adaptive: its measured arm costs in this batch's bucket after the run (the engine's
     # ``acceptance_snapshot()["arm_costs"]``: what it chose by).
     arm_costs: list[dict[str, object]] = field(default_factory=list)
+    # Adaptive: its measured filling steps (engine steps that prefilled and decoded) at decode
+    # batches up to this batch's bucket (``acceptance_snapshot()["fill_costs"]``).
+    fill_costs: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -113,9 +116,13 @@ def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParam
         ran = eng.adaptive.steps_per_arm - arms_before
         run.steps_per_arm = {budget_label(budget): n for budget, n in ran.items()}
         bucket = len(prompts).bit_length()
-        costs = eng.acceptance_snapshot().get("arm_costs", [])
+        snapshot = eng.acceptance_snapshot()
+        costs = snapshot.get("arm_costs", [])
         run.arm_costs = [c for c in costs  # type: ignore[attr-defined]
                          if max(round(c["batch_size"]), 1).bit_length() == bucket]  # fmt: skip
+        fills = snapshot.get("fill_costs", [])
+        run.fill_costs = [c for c in fills  # type: ignore[attr-defined]
+                          if max(round(c["batch_size"]), 1).bit_length() <= bucket]  # fmt: skip
     return run
 
 

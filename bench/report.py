@@ -63,14 +63,19 @@ def acceptance_table(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
-    """What adaptive speculation chose: its decode steps per budget, at each point."""
+    """What adaptive speculation chose: its decode steps per budget, at each point, the steady
+    step costs it chose by and the filling steps it measured (engine steps that prefilled and
+    decoded, per decode batch bucket: what a filling step's choice is made by)."""
     rows = [r for r in runs if r.get("steps_per_arm")]
     if not rows:
         return []
-    lines = ["Adaptive speculation: decode steps per chosen budget (all timed repeats), and the "
+    lines = ["Adaptive speculation: decode steps per chosen budget (all timed repeats), the "
              "step costs it measured in that batch's bucket (ms per step, and the tokens per "
-             "sequence it counted on: a drafting arm's yield pooled over batch sizes):", "",
-             "| T | batch | steps per budget | measured arm costs |", "|---|---|---|---|"]
+             "sequence it counted on: a drafting arm's yield pooled over batch sizes), and its "
+             "filling steps (ms per engine step that prefilled and decoded, at the decode "
+             "batch given; steps measured in brackets):", "",
+             "| T | batch | steps per budget | measured arm costs | filling steps |",
+             "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["temperature"], r["batch_size"])):
         arms = ", ".join(f"{label} {n}" for label, n in sorted(r["steps_per_arm"].items()))
         sampled = bool(r["temperature"])
@@ -78,7 +83,11 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
             f"{c['arm']} {_f(c['step_seconds'] * 1e3, '.2f')} ms ({_f(c['tokens_per_seq'], '.2f')})"
             for c in r.get("arm_costs") or [] if bool(c.get("sampled")) == sampled
         ) or "–"
-        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} | {costs} |")
+        fills = "; ".join(
+            f"{_f(c['batch_size'], '.0f')}: {c['arm']} {_f(c['step_seconds'] * 1e3, '.2f')} ms ({c['steps']})"
+            for c in r.get("fill_costs") or [] if bool(c.get("sampled")) == sampled
+        ) or "–"
+        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} | {costs} | {fills} |")
     return lines
 
 

@@ -474,7 +474,9 @@ class LLMEngine:
         ``mtpserve simulate --closed-batch-tokens`` takes; and ``arm_costs``: each arm's measured
         (or start-up calibrated) decode step per batch-size bucket and the tokens per sequence
         the choice counts on (``engine.simulator.arm_costs``), what ``mtpserve
-        simulate --arm-costs`` takes as its latency model."""
+        simulate --arm-costs`` takes as its latency model; and ``fill_costs``: each arm's
+        measured filling step (a whole engine step that prefilled and decoded) per decode batch
+        bucket, what a filling step's choice is made by."""
         snapshot = self.acceptance.snapshot()
         if self.adaptive is not None and self.adaptive.arms.spread.ready:
             snapshot["relative_yields"] = list(self.adaptive.arms.spread.quantiles())
@@ -488,6 +490,13 @@ class LLMEngine:
                      "tokens_per_seq": self.adaptive.arms.tokens_per_seq(sampled, arm, cost),
                      "steps": cost.count}
                     for sampled, arm, cost in costs
+                ]  # fmt: skip
+            fills = self.adaptive.arms.fill_cost_table()
+            if fills:
+                snapshot["fill_costs"] = [
+                    {"batch_size": cost.rows, "sampled": sampled, "arm": budget_label(arm),
+                     "step_seconds": cost.seconds, "steps": cost.count}
+                    for sampled, arm, cost in fills
                 ]  # fmt: skip
         return snapshot
 

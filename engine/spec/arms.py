@@ -328,6 +328,15 @@ class MeasuredArms:
             if cost.count >= MIN_MEASURED
         ]
 
+    def fill_cost_table(self) -> list[tuple[bool, TreeBudget, StepCost]]:
+        """Every arm's measured filling step per decode batch bucket (``observe_filling``):
+        (sampled, arm, cost), smallest buckets first."""
+        return [
+            (sampled, arm, cost)
+            for (_, sampled), bucket in sorted(self._fill.items())
+            for arm, cost in bucket.costs.items()
+        ]
+
     def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
         """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
         cost = self._buckets.get((bucket, sampled), _Bucket(0)).costs.get(arm)

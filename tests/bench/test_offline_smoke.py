@@ -61,6 +61,9 @@ def test_json_has_every_field(offline_result: tuple[int, dict, Path]) -> None:
         for c in r["arm_costs"] or []:
             assert max(round(c["batch_size"]), 1).bit_length() == r["batch_size"].bit_length(), c
             assert c["step_seconds"] > 0 and (c["arm"] == "none" or c["arm"].startswith(("chain-", "tree-")))
+        for c in r["fill_costs"] or []:  # filling steps at decode batches up to its bucket
+            assert max(round(c["batch_size"]), 1).bit_length() <= r["batch_size"].bit_length(), c
+            assert c["step_seconds"] > 0 and c["steps"] >= 1
 
 
 def test_modes_agree_on_greedy_tokens(offline_result: tuple[int, dict, Path]) -> None:
@@ -94,7 +97,7 @@ def test_report_from_json(offline_result: tuple[int, dict, Path]) -> None:
     assert main(["report", str(path)]) == 0
     md = path.with_suffix(".md").read_text()
     assert "| T | batch | mode |" in md and "tree-3" in md
-    assert "decode steps per chosen budget" in md and "measured arm costs" in md
+    assert "decode steps per chosen budget" in md and "measured arm costs" in md and "filling steps |" in md
     assert "- adaptive: " in md.split("Engine builds")[1].split("## Offline engine sweep")[0]
     assert (path.parent / f"{path.stem}-speedup.png").stat().st_size > 1000
     assert (path.parent / f"{path.stem}-acceptance.png").stat().st_size > 1000
