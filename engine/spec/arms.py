@@ -144,6 +144,15 @@ class _Bucket:
     last_run: dict[TreeBudget, int] = field(default_factory=dict)  # arm -> bucket step it last ran
 
 
+def _add_step(bucket: _Bucket, arm: TreeBudget, seconds: float, rows: int, tokens: int) -> None:
+    """One served step of ``arm`` into ``bucket``'s cost of it (the first one starts it)."""
+    cost = bucket.costs.get(arm)
+    if cost is None:
+        bucket.costs[arm] = StepCost(seconds, float(rows), float(tokens), 1, seconds, seconds / tokens, served=1)
+    else:
+        cost.add(seconds, rows, tokens)
+
+
 @dataclass
 class _Estimate:
     step: float  # seconds per step at this bucket
@@ -189,14 +198,7 @@ class MeasuredArms:
         max_tokens / stop truncation."""
         if tokens <= 0:
             return
-        bucket = self._bucket(batch_size.bit_length(), sampled)
-        cost = bucket.costs.get(arm)
-        if cost is None:
-            bucket.costs[arm] = StepCost(
-                seconds, float(batch_size), float(tokens), 1, seconds, seconds / tokens, served=1
-            )
-        else:
-            cost.add(seconds, batch_size, tokens)
+        _add_step(self._bucket(batch_size.bit_length(), sampled), arm, seconds, batch_size, tokens)
         if arm.speculates:
             self._observe_yield(batch_size, sampled, arm, tokens)
             total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
@@ -218,16 +220,9 @@ class MeasuredArms:
         ``batch_size`` sequences with ``arm``: its wall time from the prefill's start to the
         decode's last read (the same prefill work under either arm, and for a drafting arm
         the newcomers' batch rows loaded afresh) and the tokens the decode produced."""
-        if tokens <= 0:
-            return
-        bucket = self._fill.setdefault((batch_size.bit_length(), sampled), _Bucket())
-        cost = bucket.costs.get(arm)
-        if cost is None:
-            bucket.costs[arm] = StepCost(
-                seconds, float(batch_size), float(tokens), 1, seconds, seconds / tokens, served=1
-            )
-        else:
-            cost.add(seconds, batch_size, tokens)
+        if tokens > 0:
+            bucket = self._fill.setdefault((batch_size.bit_length(), sampled), _Bucket())
+            _add_step(bucket, arm, seconds, batch_size, tokens)
 
     def filling_cost(self, batch_size: int, sampled: bool, arm: TreeBudget) -> StepCost | None:
         """``arm``'s measured filling step at ``batch_size``'s bucket (None: none measured)."""
