@@ -224,11 +224,6 @@ class MeasuredArms:
             bucket = self._fill.setdefault((batch_size.bit_length(), sampled), _Bucket())
             _add_step(bucket, arm, seconds, batch_size, tokens)
 
-    def filling_cost(self, batch_size: int, sampled: bool, arm: TreeBudget) -> StepCost | None:
-        """``arm``'s measured filling step at ``batch_size``'s bucket (None: none measured)."""
-        bucket = self._fill.get((batch_size.bit_length(), sampled))
-        return None if bucket is None else bucket.costs.get(arm)
-
     def observe_counterfactual_yield(self, batch_size: int, sampled: bool, arm: TreeBudget, tokens: int) -> None:
         """The ``tokens`` drafting ``arm`` would have produced in a step another arm ran over
         the same ``batch_size`` sequences (a tree step's accepted path through rank-0 children

@@ -453,8 +453,8 @@ def test_a_drafting_step_next_to_a_prefill_neither_waits_nor_counts_as_steady(sm
     assert waits == [] and observed == []
     assert len(filling) == 1 and filling[0][:2] == (1, budget_label(eng.budget))
     assert filling[0][2] > 0 and filling[0][3] == len(next(o for o in outs if o.request_id == "a").new_token_ids)
-    cost = eng.adaptive.arms.filling_cost(1, False, eng.budget)
-    assert cost is not None and cost.count == 1
+    [(sampled, arm, cost)] = eng.adaptive.arms.fill_cost_table()
+    assert (sampled, arm, cost.rows, cost.count) == (False, eng.budget, 1.0, 1)
     reported = eng.acceptance_snapshot()["fill_costs"]
     assert [(c["batch_size"], c["arm"], c["steps"]) for c in reported] == [  # type: ignore[union-attr]
         (1.0, budget_label(eng.budget), 1)]
