@@ -22,7 +22,7 @@ FIELDS = (
     "acceptance_per_position", "draft_tokens_per_step", "speedup_vs_ar", "speedup_vs_ar_min",
     "speedup_vs_ar_max", "greedy_match", "repeats", "output_tokens", "floor", "step_over_floor",
     "cost_per_million_tokens", "saving_vs_ar", "steps_per_arm", "arm_costs", "fill_costs", "skipped",
-    "stalls", "warmup_stalls",
+    "stalls", "warmup_stalls", "round_ms", "round_speedups",
 )
 
 
@@ -49,6 +49,7 @@ def make_record(mode: str, label: str, batch_size: int, temperature: float,
         tpot_ms=_ms(tpot["median"]), tpot_ms_min=_ms(tpot["min"]), tpot_ms_max=_ms(tpot["max"]),
         ttft_ms=_ms(statistics.median(statistics.median(r.ttft_s) for r in runs)),
         repeats=len(runs), output_tokens=runs[0].output_tokens,
+        round_ms=[round(r.wall_s * 1e3, 2) for r in runs],  # each timed round's wall time, in order
     )
     arms: dict[str, int] = {}
     for r in runs:
@@ -84,7 +85,8 @@ def add_speedups(record: dict[str, Any], runs: list[BatchRun], ar_runs: list[Bat
     ratios = [(r.output_tokens / r.wall_s) / (a.output_tokens / a.wall_s)
               for r, a in zip(runs, ar_runs, strict=False)]
     s = summarize(ratios)
-    record.update(speedup_vs_ar=s["median"], speedup_vs_ar_min=s["min"], speedup_vs_ar_max=s["max"])
+    record.update(speedup_vs_ar=s["median"], speedup_vs_ar_min=s["min"], speedup_vs_ar_max=s["max"],
+                  round_speedups=[round(x, 3) for x in ratios])
 
 
 def add_costs(records: list[dict[str, Any]], price_per_hour: float) -> None:

@@ -48,6 +48,10 @@ def test_json_has_every_field(offline_result: tuple[int, dict, Path]) -> None:
                 assert (label, bs, t) in done, (label, bs, t)
     ar = [r for r in doc["runs"] if r["label"] == "ar" and not r["skipped"]]
     assert all(r["mean_accepted_length"] == 1.0 and r["speedup_vs_ar"] == 1.0 for r in ar)
+    for r in (r for r in doc["runs"] if not r["skipped"]):  # every timed round, in order
+        assert len(r["round_ms"]) == r["repeats"] and all(ms > 0 for ms in r["round_ms"]), r
+        if r["round_speedups"] is not None:
+            assert min(r["round_speedups"]) == pytest.approx(r["speedup_vs_ar_min"], abs=1e-3), r
     spec = [r for r in doc["runs"] if r["mode"] in ("chain", "tree") and not r["skipped"]]
     assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in spec)
     assert all(r["rollback_ms_per_step"] is not None and r["cost_per_million_tokens"] > 0 for r in spec)
