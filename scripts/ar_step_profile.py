@@ -12,6 +12,13 @@ Runs on a trained folder (``--model``) or, with ``--random-preset gpu``, on rand
 preset's shape (no training: what a step costs does not depend on the weights)::
 
     PYTHONPATH=. python scripts/ar_step_profile.py OUT --random-preset gpu --device cuda
+
+``--methods none,adaptive`` profiles an adaptive engine's steps too, on the same weights and
+batches (each row says which budgets its timed steps took: on random weights nothing drafted is
+accepted, so adaptive speculation decodes autoregressively). Session 30's H200 traces had the
+adaptive engine's autoregressive steps at batch 256 slower than the baseline's (1.2-1.4 against
+0.9 ms in a round where it never drafted; its measured cost of them 1.9 ms); at batch 64 they
+were equal. This shows whether the difference is device work or host work.
 """
 
 from __future__ import annotations
@@ -23,16 +30,19 @@ import json
 import pstats
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.params import SpecMethod
 
 
-def random_engine(preset: str, device: torch.device, max_batch: int) -> LLMEngine:
-    """An autoregressive engine over random bf16 weights of a training preset's shape."""
+def random_engine(preset: str, device: torch.device, max_batch: int, methods: list[SpecMethod]) -> list[LLMEngine]:
+    """Engines of each speculation method (``SpecConfig.method``) over the same random bf16
+    weights of a training preset's shape."""
     from train.presets import PRESETS
 
     cfg = ModelConfig.from_hf_dict(PRESETS[preset].hf_config(0, 1, 2))
@@ -43,8 +53,9 @@ def random_engine(preset: str, device: torch.device, max_batch: int) -> LLMEngin
             p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
     model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.eval()
-    return LLMEngine(model, None, frozenset(), SpecConfig(method="none"),
-                     EngineConfig(max_batch_size=max_batch, kv_memory_bytes=4 << 30), device)  # fmt: skip
+    return [LLMEngine(model, None, frozenset(), SpecConfig(method=m),
+                      EngineConfig(max_batch_size=max_batch, kv_memory_bytes=4 << 30), device)
+            for m in methods]  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -71,10 +82,13 @@ def _start(eng: LLMEngine, batch: int, temperature: float, tag: str) -> list[str
 def profile_point(eng: LLMEngine, batch: int, temperature: float, steps: int) -> tuple[dict, str]:
     from torch.profiler import ProfilerActivity, profile
 
-    ids = _start(eng, batch, temperature, f"t{temperature}-b{batch}")
+    method = eng.spec.method
+    ids = _start(eng, batch, temperature, f"{method}-t{temperature}-b{batch}")
+    arms: dict[str, int] = {}
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
+        arms[str(eng.last_decode_budget)] = arms.get(str(eng.last_decode_budget), 0) + 1
     _sync(eng.device)
     ms = (time.perf_counter() - t0) / steps * 1e3
     prof_steps = 5
@@ -98,14 +112,15 @@ def profile_point(eng: LLMEngine, batch: int, temperature: float, steps: int) ->
                                "aten::item", "aten::_local_scalar_dense", "cudaGraphLaunch",
                                "aten::to", "aten::copy_", "cudaLaunchKernel")}  # fmt: skip
     row = {
-        "batch": batch, "temperature": temperature, "ms_per_step": round(ms, 3),
+        "method": method, "arms": arms, "batch": batch, "temperature": temperature,
+        "ms_per_step": round(ms, 3),
         "device_kernels_per_step": len(kernels) / prof_steps,
         "device_ms_per_step": round(sum(e.device_time for e in kernels) / 1e3 / prof_steps, 3),
         "host_calls_per_step": host_calls,
     }
     text = io.StringIO()
     pstats.Stats(cpu_prof, stream=text).sort_stats("cumulative").print_stats(30)
-    tables = (f"==== T={temperature} batch={batch}: {row}\n"
+    tables = (f"==== {method} T={temperature} batch={batch}: {row}\n"
               + events.table(sort_by="cpu_time_total", row_limit=35)
               + "\n-- by count\n" + events.table(sort_by="count", row_limit=30)
               + "\n-- cProfile\n" + text.getvalue())  # fmt: skip
@@ -121,25 +136,30 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--methods", default="none", help="speculation methods profiled, e.g. none,adaptive")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     device = torch.device(args.device)
+    methods = [cast(SpecMethod, m) for m in args.methods.split(",")]
     if args.model:
-        eng = LLMEngine.from_pretrained(
+        first = LLMEngine.from_pretrained(
             args.model, device=args.device, dtype="bfloat16" if device.type == "cuda" else "float32",
-            spec=SpecConfig(method="none"),
+            spec=SpecConfig(method=methods[0]),
             engine_config=EngineConfig(max_batch_size=max(batches), kv_memory_bytes=4 << 30),
         )  # fmt: skip
+        engines = [first] + [LLMEngine(first.model, first.tokenizer, first.eos_token_ids, SpecConfig(method=m),
+                                       first.config, first.device) for m in methods[1:]]  # fmt: skip
     else:
-        eng = random_engine(args.random_preset or "gpu", device, max(batches))
+        engines = random_engine(args.random_preset or "gpu", device, max(batches), methods)
     rows, texts = [], []
     for b in batches:
         for t in (float(x) for x in args.temperatures.split(",")):
-            row, text = profile_point(eng, b, t, args.steps)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            texts.append(text)
+            for eng in engines:  # the methods side by side at each point
+                row, text = profile_point(eng, b, t, args.steps)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                texts.append(text)
     (args.out / "ar_step_profile.json").write_text(json.dumps(rows, indent=1) + "\n")
     (args.out / "ar_step_profile.txt").write_text("\n\n".join(texts))
 

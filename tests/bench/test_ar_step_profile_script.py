@@ -15,13 +15,19 @@ def test_profiles_greedy_and_sampled_steps_on_random_weights(tmp_path: Path) -> 
     out = tmp_path / "profile"
     proc = subprocess.run(
         [sys.executable, "scripts/ar_step_profile.py", str(out), "--random-preset", "tiny",
-         "--device", "cpu", "--batch-sizes", "1,3", "--temperatures", "0,1", "--steps", "3"],
+         "--device", "cpu", "--batch-sizes", "1,3", "--temperatures", "0,1", "--steps", "3",
+         "--methods", "none,adaptive"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((out / "ar_step_profile.json").read_text())
-    assert [(r["batch"], r["temperature"]) for r in rows] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
+    points = [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
+    assert [(r["batch"], r["temperature"], r["method"]) for r in rows] == [
+        (b, t, m) for b, t in points for m in ("none", "adaptive")]
     assert all(r["ms_per_step"] > 0 for r in rows)
+    # Each row says which budgets its timed steps took: the baseline's are all autoregressive.
+    assert all(sum(r["arms"].values()) == 3 for r in rows)
+    assert all(r["arms"] == {"none": 3} for r in rows if r["method"] == "none")
     tables = (out / "ar_step_profile.txt").read_text()
-    assert tables.count("==== T=") == 4 and "cProfile" in tables
+    assert tables.count("==== none T=") == 4 and tables.count("==== adaptive T=") == 4 and "cProfile" in tables
