@@ -15,10 +15,11 @@ preset's shape (no training: what a step costs does not depend on the weights)::
 
 ``--methods none,adaptive`` profiles an adaptive engine's steps too, on the same weights and
 batches (each row says which budgets its timed steps took: on random weights nothing drafted is
-accepted, so adaptive speculation decodes autoregressively). Session 30's H200 traces had the
+accepted, so adaptive speculation decodes autoregressively). Session 30's H200 trace had the
 adaptive engine's autoregressive steps at batch 256 slower than the baseline's (1.2-1.4 against
-0.9 ms in a round where it never drafted; its measured cost of them 1.9 ms); at batch 64 they
-were equal. This shows whether the difference is device work or host work.
+0.9 ms in a round where it never drafted; its measured cost of them 1.9 ms), but a probe on
+random weights then had the baseline's own second run as slow: this separates device work from
+host work for each engine, on the same machine state.
 """
 
 from __future__ import annotations
