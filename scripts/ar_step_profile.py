@@ -39,6 +39,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.params import SpecMethod
+from engine.spec.adaptive import NO_SPEC
 
 
 def random_engine(preset: str, device: torch.device, max_batch: int, methods: list[SpecMethod]) -> list[LLMEngine]:
@@ -138,6 +139,8 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--methods", default="none", help="speculation methods profiled, e.g. none,adaptive")
+    parser.add_argument("--adaptive-autoregressive", action="store_true",
+                        help="pin adaptive speculation to autoregressive steps (like for like with the baseline)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -153,6 +156,10 @@ def main() -> None:
                                        first.config, first.device) for m in methods[1:]]  # fmt: skip
     else:
         engines = random_engine(args.random_preset or "gpu", device, max(batches), methods)
+    if args.adaptive_autoregressive:
+        for eng in engines:
+            if eng.adaptive is not None:
+                eng.adaptive.forced = NO_SPEC  # every step autoregressive; no prompt caught up for drafting
     rows, texts = [], []
     for b in batches:
         for t in (float(x) for x in args.temperatures.split(",")):

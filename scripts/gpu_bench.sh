@@ -30,6 +30,11 @@
 # default "--closed-rounds --catch-up-profile-batch <last batch>", are passed on),
 # STEP_PROFILE (set: after the trace, the batch-1 tree and autoregressive steps' kernels in order,
 # scripts/spec_step_profile.py on random weights, into RESULTS_DIR/step-profile.txt),
+# AR_PROFILE_BATCHES (e.g. 64,256: after the step profile, scripts/ar_step_profile.py on the
+# trained model, the baseline's and an adaptive engine's steps side by side at those batches,
+# greedy, the adaptive one pinned to autoregressive steps, at most AR_PROFILE_S seconds
+# (default 120), into RESULTS_DIR/ar-step-profile.json and .txt: whether the adaptive engine's
+# autoregressive steps cost more than the baseline's),
 # OVERLAP_STEPS (on, off or auto, default auto = on on CUDA: EngineConfig.overlap_steps of every
 # engine, the baseline's too),
 # PREFILL_CHUNK (prompt tokens prefilled per step by every engine, the baseline's too; default:
@@ -150,6 +155,17 @@ if [ -n "${STEP_PROFILE:-}" ] && [ "$LEFT" -gt 40 ]; then
         --random-preset gpu --max-batch 1 --profile 1:64:tree,1:64:none --sequence --no-sweep \
         > /dev/null 2>&1 || echo "== step profile exited with status $?"
     cp "$STEP_DIR/spec_step_profile.txt" "$OUT/step-profile.txt" 2>/dev/null || true
+fi
+LEFT=$(( END_S - ($(date +%s) - START) ))
+if [ -n "${AR_PROFILE_BATCHES:-}" ] && [ "$LEFT" -gt 40 ]; then
+    AR_LIMIT=$(( LEFT < ${AR_PROFILE_S:-120} ? LEFT : ${AR_PROFILE_S:-120} ))
+    echo "== autoregressive steps, baseline and adaptive, at batches ${AR_PROFILE_BATCHES} (${AR_LIMIT} s)"
+    AR_DIR=$(mktemp -d)
+    timeout "$AR_LIMIT" "$PY" scripts/ar_step_profile.py "$AR_DIR" --model "$MODEL" --device cuda \
+        --batch-sizes "$AR_PROFILE_BATCHES" --temperatures 0 --methods none,adaptive --adaptive-autoregressive \
+        > "$AR_DIR/stdout.txt" 2>&1 || echo "== autoregressive step profile exited with status $?"
+    cp "$AR_DIR/ar_step_profile.json" "$OUT/ar-step-profile.json" 2>/dev/null || true
+    cp "$AR_DIR/ar_step_profile.txt" "$OUT/ar-step-profile.txt" 2>/dev/null || tail -20 "$AR_DIR/stdout.txt"
 fi
 LEFT=$(( END_S - ($(date +%s) - START) ))
 # The validation takes ~190 s on the H200 (8 prompts): with less it would be cut off and write
