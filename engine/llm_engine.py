@@ -906,12 +906,7 @@ class LLMEngine:
             # batch that new requests keep joining never measured its drafting arms: CPU serving
             # at a load of 8 re-ran them every few steps, each run catching up first (0.74-0.89x
             # of no speculation, session 30).
-            start = time.perf_counter()
-            self.drafter.catch_up(lagging)
-            if self.adaptive is not None:
-                self.wait_for_device()
-                self._catch_up_s = (self._catch_up_s or 0.0) + time.perf_counter() - start
-            self._step_caught_up = True  # catching up after AR steps: not a steady-state cost
+            self._catch_up_alone(lagging)
         t0 = time.perf_counter()
         trees = self.drafter.draft(seqs, budget, self._sampled_shape(budget, seqs))
         t1 = time.perf_counter()
@@ -982,6 +977,18 @@ class LLMEngine:
             runners.insert(0, last)
         return runners
 
+    def _catch_up_alone(self, lagging: list[Sequence]) -> None:
+        """Catch the MTP modules of ``lagging`` up before this step drafts, timed alone for
+        adaptive speculation (``_catch_up_s``: what a switch costs; the rest of the step is a
+        steady one)."""
+        assert self.drafter is not None
+        start = time.perf_counter()
+        self.drafter.catch_up(lagging)
+        if self.adaptive is not None:
+            self.wait_for_device()
+            self._catch_up_s = (self._catch_up_s or 0.0) + time.perf_counter() - start
+        self._step_caught_up = True  # catching up after AR steps: not a steady-state cost
+
     def _split_graphed(
         self, fast: GraphedTreeStep, seqs: list[Sequence]
     ) -> tuple[list[Sequence], list[Sequence]]:
@@ -996,12 +1003,7 @@ class LLMEngine:
         if lagging and self.drafter is not None:
             # MTP modules behind (autoregressive steps in between, a host step that stopped
             # early): catch them up eagerly, then the graphed step can take these sequences.
-            start = time.perf_counter()
-            self.drafter.catch_up(lagging)
-            if self.adaptive is not None:
-                self.wait_for_device()
-                self._catch_up_s = (self._catch_up_s or 0.0) + time.perf_counter() - start
-            self._step_caught_up = True
+            self._catch_up_alone(lagging)
             ready = [ok or fast.eligible(s) for s, ok in zip(seqs, ready, strict=True)]
         graphed = [s for s, ok in zip(seqs, ready, strict=True) if ok][: fast.max_batch]
         chosen = {id(s) for s in graphed}

@@ -419,7 +419,7 @@ def test_a_drafting_step_after_autoregressive_ones_times_its_catch_up_alone(smal
     config = EngineConfig(cuda_graphs=True) if graphed else EngineConfig()
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=config)
     assert eng.adaptive is not None
-    plan = [NO_SPEC] * 4 + [eng.budget] * 2
+    plan = [NO_SPEC] * 4  # four autoregressive steps, then drafting
     eng.adaptive.choose = lambda *a, **k: plan.pop(0) if plan else eng.budget  # type: ignore[method-assign]
     observed: list[tuple[int, str]] = []
     caught_up: list[tuple[int, str, int, bool]] = []
