@@ -215,6 +215,9 @@ class LLMEngine:
         # Adaptive: the last decode step's budget when it drafted (None: it decoded
         # autoregressively, or nothing yet): new prompts are then caught up in their prefill.
         self._last_drafting: TreeBudget | None = None
+        # Adaptive: the drafting arm an earlier chunk of the fill under way (steps that each
+        # prefill) caught its prompts up for; its later chunks are caught up for it too.
+        self._fill_catch_up: TreeBudget | None = None
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
         # Adaptive: the batch summary after an autoregressive step, for the next step's choice.
@@ -456,6 +459,7 @@ class LLMEngine:
         self.last_timings = StepTimings()
         self.last_decode_budget = None
         self._last_drafting = None
+        self._fill_catch_up = None
         self._summary = None
         self._yield_clock = (0, 0.0)
         self._steps_since_arrival = 0
@@ -558,6 +562,8 @@ class LLMEngine:
             if any(self._hidden_log.holds(seq) for seq, _ in plan.prefill):
                 self._hidden_log.flush()
             self._prefill(plan.prefill, outputs)
+        else:
+            self._fill_catch_up = None  # a step without a prefill ends a fill
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
         self.last_decode_budget = None
         self._step_caught_up = False
@@ -652,6 +658,7 @@ class LLMEngine:
         (else the next step chooses anew). None if none of them decodes any more: this engine
         step then takes the usual course."""
         self._ahead, since = None, self._ahead_since
+        self._fill_catch_up = None  # no prefill in this step: any fill has ended
         runner = launched if isinstance(launched, GraphedTreeStep) else None
         batch = launched.seqs if isinstance(launched, ARLaunch) else launched.launched_ahead
         assert batch is not None
@@ -806,7 +813,16 @@ class LLMEngine:
                 alone = (not self.scheduler.num_waiting and len(finishing) == len(work)
                          and not any(s.in_prefill for s in self.scheduler.running)
                          and any(s.stats.num_steps for s in self.scheduler.running))
-                drafting = self._last_drafting if alone else self._filled_batch_drafts()
+                # Within a fill, once a chunk was caught up its later chunks are too, whatever
+                # the last decode step chose: a fill that drafts after its first chunks and
+                # leaves its last to the first full step paid that catch-up there (the H200's
+                # batch 256: a filling step decoded autoregressively, so its last chunk, "alone",
+                # was not caught up, and the first full step took 22 ms against ~6).
+                if self._fill_catch_up is not None:
+                    drafting = self._fill_catch_up
+                else:
+                    drafting = self._last_drafting if alone else self._filled_batch_drafts()
+                    self._fill_catch_up = None if alone else drafting
             runners = self._graphed_steps(drafting) if drafting is not None else []
             if runners and self.drafter is not None:
                 ready = [

@@ -652,6 +652,36 @@ def test_a_filling_batch_that_will_draft_is_caught_up_chunk_by_chunk(
         assert set(eng.adaptive.steps_per_arm) - {NO_SPEC}, "it drafted"
 
 
+def test_a_fill_whose_first_chunks_were_caught_up_catches_up_its_last(small_vocab_dir: Path) -> None:
+    """Once a chunk of a fill was caught up for the batch it becomes, so is every later chunk
+    of that fill, even where the last decode step ran autoregressively and the question would
+    now be answered no: the H200's batch 256 left its last chunk ("alone", after an
+    autoregressive filling step) to the first full step, which took 22 ms against ~6. A step
+    without a prefill ends the fill: a later request is asked afresh."""
+    eng, _ = _filling_engine(small_vocab_dir, drafts_once_full=True)
+    assert eng.drafter is not None
+    caught: list[list[str]] = []
+    catch_up = eng.drafter.catch_up
+    eng.drafter.catch_up = lambda seqs: caught.append([s.request_id for s in seqs]) or catch_up(seqs)  # type: ignore[method-assign]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(3):  # one chunk each
+        eng.add_request(f"r{i}", [5, 1, 4, 2, 3, 0, 2, 1] * 3, sp)
+    eng.step()  # r0's prefill: the filled batch would draft
+    assert caught == [["r0"]]
+    eng.step()  # r1's, and r0's first decode step
+    assert ["r1"] in caught
+    eng._last_drafting = None  # as if that step had decoded autoregressively
+    eng._filled_batch_drafts = lambda: None  # type: ignore[method-assign]  # and the question now said no
+    eng.step()  # r2's, the fill's last chunk ("alone": nothing waits, the batch has decoded)
+    assert ["r2"] in caught
+    while eng.has_unfinished_requests():
+        eng.step()
+    caught.clear()
+    eng.add_request("late", [5, 1, 4, 2, 3, 0, 2, 1] * 3, sp)
+    eng.step()  # a new fill: asked afresh, and the answer is still no
+    assert caught == []
+
+
 def test_an_adaptive_engine_serves_a_request_its_first_token_ends(small_vocab_dir: Path) -> None:
     """The prefill's first token ends the only request (max_tokens 1): the batch the prefill
     would catch up for is empty (it had divided by zero)."""

@@ -599,16 +599,19 @@ def test_a_filling_batch_asks_whether_it_will_draft_once_full_without_choosing(
             64, False, [NO_SPEC, CHAIN], lag, tokens_left)  # fmt: skip
 
 
-def _filling(chain_fill: float, steps: int) -> tuple[MeasuredArms, list[TreeBudget]]:
+def _filling(chain_fill: float, steps: int, per_fill: int = 3) -> tuple[MeasuredArms, list[TreeBudget]]:
     """Filling steps at batch 32 where the chain is the steady choice (12.5 us per token
     against 31 for autoregressive steps) and a filling step costs ``chain_fill`` seconds
-    drafting, 1.5 ms autoregressive (the prefill in both)."""
+    drafting, 1.5 ms autoregressive (the prefill in both), in fills of ``per_fill`` filling
+    steps, each followed by a steady step (not listed)."""
     arms = MeasuredArms(explore_every=10_000)
     for _ in range(3):
         arms.observe(32, False, NO_SPEC, 0.0010, 32)
         arms.observe(32, False, CHAIN, 0.0016, 128)
     chosen = []
-    for _ in range(steps):
+    for i in range(steps):
+        if i and i % per_fill == 0:  # the fill ends
+            arms.choose(32, False, [NO_SPEC, CHAIN], 0, tokens_left=200)
         arm = arms.choose(32, False, [NO_SPEC, CHAIN], 0, tokens_left=200, filling=True, filled_batch=32)
         arms.observe_filling(32, False, arm, chain_fill if arm.speculates else 0.0015, 128 if arm.speculates else 32)
         chosen.append(arm)
@@ -635,9 +638,36 @@ def test_a_filling_step_drafts_only_where_its_filling_steps_pay(chain_fill: floa
 @pytest.mark.parametrize("drafts", [False, True])
 def test_the_filling_arm_not_chosen_is_re_run_now_and_then(drafts: bool) -> None:
     """Once both filling costs are known, the arm not chosen runs once every FILL_REMEASURE
-    free filling choices of the bucket (filling steps change with the prompts and the chunk)."""
+    free filling choices of the bucket (filling steps change with the prompts and the chunk).
+    A drafting fill keeps drafting: autoregressive decoding is re-measured at a fill's first
+    filling step, up to a fill later than due."""
     from engine.spec.arms import FILL_REMEASURE
 
-    _, chosen = _filling(0.0017 if drafts else 0.0032, 6 + 2 * FILL_REMEASURE + 2)
+    per_fill = 3
+    _, chosen = _filling(0.0017 if drafts else 0.0032, 6 + 3 * FILL_REMEASURE, per_fill)
     other = NO_SPEC if drafts else CHAIN
-    assert chosen[6:].count(other) == 2
+    runs = [i for i, arm in enumerate(chosen) if i >= 6 and arm == other]
+    assert len(runs) >= 2
+    assert all(FILL_REMEASURE <= b - a <= FILL_REMEASURE + per_fill for a, b in zip(runs, runs[1:], strict=False))
+    if drafts:
+        assert all(i % per_fill == 0 for i in runs), "at a fill's first filling step"
+        for i in runs:  # the rest of that fill: the chain, whose filling step pays
+            assert chosen[i + 1 : i + per_fill] == [CHAIN] * (per_fill - 1)
+
+
+def test_a_drafting_fill_keeps_drafting_until_it_ends() -> None:
+    """A fill whose first filling steps drafted (the measured filling costs say it pays) keeps
+    the arm in its later ones even where its bucket's steady costs would now decode
+    autoregressively (the H200's batch 256: an autoregressive step at 128 sequences left the
+    batch behind, and the first full step took 10-22 ms against ~6). Lag still decodes
+    autoregressively, and a step without a prefill ends the fill."""
+    arms, _ = _filling(0.0017, 9)  # both filling costs measured: the chain's pays
+    assert arms.choose(32, False, [NO_SPEC, CHAIN], 0, tokens_left=200) == CHAIN  # a fill ends
+    assert arms.choose(32, False, [NO_SPEC, CHAIN], 0, tokens_left=200, filling=True, filled_batch=64) == CHAIN
+    for _ in range(5):  # batch 64's steady steps now say autoregressive decoding wins there
+        arms.observe(64, False, NO_SPEC, 0.0010, 64)
+        arms.observe(64, False, CHAIN, 0.0100, 256)
+    assert arms.choose(64, False, [NO_SPEC, CHAIN], 0, tokens_left=200, filling=True, filled_batch=64) == CHAIN
+    assert arms.choose(64, False, [NO_SPEC, CHAIN], 64, tokens_left=200, filling=True) == NO_SPEC  # behind
+    assert arms.choose(64, False, [NO_SPEC, CHAIN], 0, tokens_left=200) == NO_SPEC  # the fill ended
+    assert arms.choose(64, False, [NO_SPEC, CHAIN], 0, tokens_left=200, filling=True, filled_batch=64) == NO_SPEC
