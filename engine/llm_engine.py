@@ -79,6 +79,7 @@ class _BatchSummary(NamedTuple):
     left: float  # tokens each sequence may still generate, on average
     sampled: bool
     age: int  # autoregressive steps since it was read from the batch
+    exact: bool = False  # re-read after SUMMARY_REFRESH steps: its updates stay exact
 
 
 @dataclass
@@ -215,8 +216,10 @@ class LLMEngine:
         # Adaptive: the last decode step's budget when it drafted (None: it decoded
         # autoregressively, or nothing yet): new prompts are then caught up in their prefill.
         self._last_drafting: TreeBudget | None = None
-        # Adaptive: the drafting arm an earlier chunk of the fill under way (steps that each
-        # prefill) caught its prompts up for; its later chunks are caught up for it too.
+        # Adaptive: whether the fill under way (steps that each prefill) has chosen the drafting
+        # arm its prompts are caught up for in their prefill, and that arm (None: none): its
+        # later chunks follow its first one.
+        self._fill_asked = False
         self._fill_catch_up: TreeBudget | None = None
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
@@ -459,7 +462,7 @@ class LLMEngine:
         self.last_timings = StepTimings()
         self.last_decode_budget = None
         self._last_drafting = None
-        self._fill_catch_up = None
+        self._fill_asked, self._fill_catch_up = False, None
         self._summary = None
         self._yield_clock = (0, 0.0)
         self._steps_since_arrival = 0
@@ -563,7 +566,7 @@ class LLMEngine:
                 self._hidden_log.flush()
             self._prefill(plan.prefill, outputs)
         else:
-            self._fill_catch_up = None  # a step without a prefill ends a fill
+            self._fill_asked, self._fill_catch_up = False, None  # a step without a prefill ends a fill
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
         self.last_decode_budget = None
         self._step_caught_up = False
@@ -658,7 +661,7 @@ class LLMEngine:
         (else the next step chooses anew). None if none of them decodes any more: this engine
         step then takes the usual course."""
         self._ahead, since = None, self._ahead_since
-        self._fill_catch_up = None  # no prefill in this step: any fill has ended
+        self._fill_asked, self._fill_catch_up = False, None  # no prefill in this step: any fill has ended
         runner = launched if isinstance(launched, GraphedTreeStep) else None
         batch = launched.seqs if isinstance(launched, ARLaunch) else launched.launched_ahead
         assert batch is not None
@@ -718,13 +721,16 @@ class LLMEngine:
         (every sequence one row further behind, one token fewer left): at large batches, where
         autoregressive steps are chosen, per-sequence host work is what a step costs beyond the
         baseline's. It is re-read every ``SUMMARY_REFRESH`` steps (the update over-counts the
-        rows of sequences within a steady step's catch-up slack)."""
+        rows of sequences within a steady step's catch-up slack), once: by then every sequence
+        is past its slack, and each autoregressive step adds exactly one row per sequence (the
+        re-read of 256 sequences every 32 steps cost ~11 us a step on a 2-core host)."""
         if self.adaptive is None:
             return self.budget, 0, False
         key = (self.scheduler.version, len(seqs))
         summary = self._summary
-        if summary is None or summary.key != key or summary.age >= SUMMARY_REFRESH:
-            summary = _BatchSummary(key, *self._decode_summary(seqs), age=0)
+        if summary is None or summary.key != key or (summary.age >= SUMMARY_REFRESH and not summary.exact):
+            summary = _BatchSummary(key, *self._decode_summary(seqs), age=0,
+                                    exact=summary is not None and summary.key == key)  # fmt: skip
         filled = None
         if filling:  # the batch it is headed for: running (prefilling too) and waiting requests
             filled = min(len(self.scheduler.running) + self.scheduler.num_waiting, self.config.max_batch_size)
@@ -813,16 +819,16 @@ class LLMEngine:
                 alone = (not self.scheduler.num_waiting and len(finishing) == len(work)
                          and not any(s.in_prefill for s in self.scheduler.running)
                          and any(s.stats.num_steps for s in self.scheduler.running))
-                # Within a fill, once a chunk was caught up its later chunks are too, whatever
-                # the last decode step chose: a fill that drafts after its first chunks and
-                # leaves its last to the first full step paid that catch-up there (the H200's
-                # batch 256: a filling step decoded autoregressively, so its last chunk, "alone",
-                # was not caught up, and the first full step took 22 ms against ~6).
-                if self._fill_catch_up is not None:
-                    drafting = self._fill_catch_up
-                else:
-                    drafting = self._last_drafting if alone else self._filled_batch_drafts()
-                    self._fill_catch_up = None if alone else drafting
+                # Asked once per fill: its later chunks follow its first, whatever the last
+                # decode step chose. A fill that drafts after its first chunks and leaves its
+                # last to the first full step pays that catch-up there (the H200's batch 256: a
+                # filling step decoded autoregressively, so its last chunk, "alone", was not
+                # caught up, and the first full step took 22 ms against ~6); and each question
+                # reads the whole batch (~0.3 ms at 256).
+                if not self._fill_asked:
+                    self._fill_asked = True
+                    self._fill_catch_up = self._last_drafting if alone else self._filled_batch_drafts()
+                drafting = self._fill_catch_up
             runners = self._graphed_steps(drafting) if drafting is not None else []
             if runners and self.drafter is not None:
                 ready = [

@@ -90,6 +90,15 @@ class TreeBudget:
     num_draft_tokens: int
     min_path_prob: float = 0.0  # greedy trees: stop deepening below this path probability
 
+    def __post_init__(self) -> None:
+        # Hashed once: adaptive speculation keys its per-arm tables by budget, several lookups
+        # per step (the generated hash re-hashed the fields each time: ~5 us of a step's host
+        # work on a 2-core host, where batch 256's autoregressive steps are host-bound).
+        object.__setattr__(self, "_hash", hash((self.topk, self.depth, self.num_draft_tokens, self.min_path_prob)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined, no-any-return]
+
     @property
     def speculates(self) -> bool:
         return self.num_draft_tokens > 0 and self.depth > 0
