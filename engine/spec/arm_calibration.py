@@ -50,15 +50,19 @@ if TYPE_CHECKING:
 # (``bench/results/h200-2026-12-02-session19-profile.json``). Timed at 8, drafting at batch 256
 # looked 1.6 times cheaper than the steps served on 64-token prompts ran, and the engine paid a
 # catch-up of 256 prompts to draft where it could not win. The steps served refine the times.
-PROMPT_TOKENS = 128
+# 122 + the autoregressive arm's second pass (6 tokens, below) keeps the scratch requests at the
+# blocks the 128 of one pass took, so the H200's pool still holds batch 256's.
+PROMPT_TOKENS = 122
 WARM_STEPS = 2  # per arm before timing: a catch-up after the previous arm, a graph variant
 TIMED_STEPS = 4  # per arm: the median is its step time
-# Passes over the arms at each batch size; an arm's time is its fastest pass's median. A time
-# calibrated too high is never corrected where the arm is then never chosen, one too low is as
-# soon as the arm runs: the H200's autoregressive step at batch 256, timed first after the
-# scratch batch's fill, was calibrated at 1.77 ms where served ones took 0.9, and the engine
-# drafted at batch 256 in every round of the sweep, at 0.90x (session 31).
-PASSES = 2
+# The autoregressive step is timed first and again after the drafting arms; it keeps the faster
+# pass's median. Its time calibrated too high is not corrected while drafting wins on it (a run
+# of autoregressive steps is rare there: it leaves a catch-up behind), one too low is as soon as
+# it runs: the H200's step at batch 256, timed once right after the scratch batch's fill, was
+# calibrated at 1.77 ms where served ones took 0.9, and the engine drafted at batch 256 in every
+# round of the sweep, at 0.90x (session 31). (Two passes over every arm no longer fit batch 256's
+# scratch requests in the pool.)
+NO_SPEC_PASSES = 2
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ def scratch_max_tokens(engine: LLMEngine, arms: list[TreeBudget], batch: int, pr
     step of the batch's prefill (a prompt prefilled in an early chunk decodes, one token a step,
     while the later ones are prefilled: 256 prompts of 128 tokens take 8 steps of 4096), plus
     slack."""
-    timed = PASSES * sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms)
+    timed = sum((WARM_STEPS + TIMED_STEPS) * (arm.depth + 1) for arm in arms)
+    timed += (NO_SPEC_PASSES - 1) * (WARM_STEPS + TIMED_STEPS)  # the autoregressive arm again
     prefill_steps = -(-batch * prompt_tokens // engine.scheduler.prefill_chunk_tokens)
     return timed + prefill_steps + 8
 
@@ -147,18 +152,17 @@ def _time_batch(
         adaptive.forced = arms[0]
         while engine.num_waiting or any(_in_prefill(engine, rid) for rid in ids):
             engine.step()
-        for _ in range(PASSES):
-            for arm in arms:
-                adaptive.forced = arm
-                engine.wait_for_device()
-                ends = [time.perf_counter()]
-                for _ in range(WARM_STEPS + TIMED_STEPS):
-                    engine.step()  # a decode step ends on a read of its results
-                    ends.append(time.perf_counter())
-                if engine.num_running != batch:
-                    raise RuntimeError(f"arm calibration: the batch of {batch} shrank while timing")
-                steps = [b - a for a, b in zip(ends[WARM_STEPS:], ends[WARM_STEPS + 1:], strict=False)]
-                best[arm] = min(best.get(arm, float("inf")), statistics.median(steps))
+        for arm in [*arms, *[arms[0]] * (NO_SPEC_PASSES - 1)]:
+            adaptive.forced = arm
+            engine.wait_for_device()
+            ends = [time.perf_counter()]
+            for _ in range(WARM_STEPS + TIMED_STEPS):
+                engine.step()  # a decode step ends on a read of its results
+                ends.append(time.perf_counter())
+            if engine.num_running != batch:
+                raise RuntimeError(f"arm calibration: the batch of {batch} shrank while timing")
+            steps = [b - a for a, b in zip(ends[WARM_STEPS:], ends[WARM_STEPS + 1:], strict=False)]
+            best[arm] = min(best.get(arm, float("inf")), statistics.median(steps))
     finally:
         adaptive.forced = None
         for rid in ids:
