@@ -651,9 +651,12 @@ class MeasuredArms:
         later steps decode autoregressively too: ``choose``); afterwards the arm not chosen runs
         every ``FILL_REMEASURE`` free filling choices of the bucket.
 
-        A drafting arm picked for what it is worth (not to re-measure it) is kept by the fill's
-        later filling steps (``_fill_drafting``), whatever their buckets' costs: one filling
-        step decoded autoregressively leaves the batch behind, so the fill's later steps and
+        A drafting arm picked to measure its filling steps first, or for what it is worth, is
+        kept by the fill's later filling steps (``_fill_drafting``), whatever their buckets'
+        costs (one picked to re-measure it is not kept: the next filling step chooses again,
+        as the rows it leaves behind allow). So a bucket's first fill drafts throughout, where
+        it may not pay, to learn what its filling steps cost. One filling step decoded
+        autoregressively leaves the batch behind, so the fill's later steps and
         its last chunk's catch-up follow it, and the first full step loads every sequence
         afresh and catches it up (the H200's batch 256 drafting after such fills: 10-22 ms
         first full steps against ~6, rounds at 0.79-1.22x against 1.15-1.24x)."""
