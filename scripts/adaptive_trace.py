@@ -12,7 +12,10 @@ then the baseline's steps of the same round (batch:ms, ``F`` as above), to compa
 prefills shows as ``P<n>:ms`` (``+cu<k>``: the MTP modules were caught up over k prompts in it).
 A step during which a garbage collection ran, a Triton kernel variant was built or loaded, or the
 CUDA allocator allocated device memory carries it in brackets (``bench.stall_probe``), e.g.
-``P64+cu64:95.0[triton 3/80.1ms]``.
+``P64+cu64:95.0[triton 3/80.1ms]``. A step whose prefill asked whether the batch being filled
+drafts once full (and so catches its prompts up in their prefill) carries the answer and the terms
+weighed, ``?chain-4[chain-4 22.6/(4.1+3.0)x1.50]``: the seconds saved over the horizon against
+the catch-up and the drain, times the margin (in ms; ``?none`` alone: nothing was weighed).
 With ``--cprofile-batch B`` the adaptive engine's last round at batch B runs under cProfile and
 the host functions taking the most time follow its trace.
 
@@ -60,14 +63,35 @@ def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
 
         drafter.catch_up = catch_up_traced  # type: ignore[method-assign]
 
+    # The fill's question (does the batch being filled draft once full?): its answer and the
+    # terms weighed, ``?arm[save/(cu+drain)*margin ms]``, or ``?none`` when nothing was weighed.
+    asked: list[str] = []
+    filled_drafts = eng._filled_batch_drafts
+
+    def filled_drafts_traced():  # type: ignore[no-untyped-def]
+        arms = eng.adaptive.arms if eng.adaptive is not None else None
+        if arms is not None:
+            arms.last_weighing = None
+        answer = filled_drafts()
+        w = arms.last_weighing if arms is not None else None
+        terms = "" if w is None else (
+            f"[{budget_label(w.arm)} {w.saving * 1e3:.1f}/({w.catch_up * 1e3:.1f}+{w.drain * 1e3:.1f})"
+            f"x{w.margin:.2f}]"
+        )
+        asked.append(f"?{'none' if answer is None else budget_label(answer)}{terms}")
+        return answer
+
+    eng._filled_batch_drafts = filled_drafts_traced  # type: ignore[method-assign]
+
     def step_traced():  # type: ignore[no-untyped-def]
         last.clear()
         caught_up.clear()
+        asked.clear()
         before = probe.snapshot()
         start = time.perf_counter()
         outs = step()  # no synchronisation: with overlap a step's device work runs under the next's host work
         ms = (time.perf_counter() - start) * 1e3
-        stalls = _stalls(probe, before)
+        stalls = _stalls(probe, before) + "".join(asked)
         if last:
             # The budget the step ran: a step launched ahead is read whatever was chosen then.
             chosen, batch, lag, filling = last[0]
@@ -107,6 +131,23 @@ def _timed(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
         return outs
 
     eng.step = step_timed  # type: ignore[method-assign]
+
+
+def _arm_state(eng: LLMEngine, batch: int, sampled: bool, prompt_rows: int) -> str:
+    """What the adaptive choice knows at ``batch``'s bucket after its rounds: each arm's step
+    ms (served steps; the start-up calibration's ms), the yield it counts on, and the catch-up
+    cost of the batch's prompts (``prompt_rows`` rows each)."""
+    assert eng.adaptive is not None
+    arms = eng.adaptive.arms
+    parts = []
+    for arm, cost in arms.bucket_costs(batch, sampled).items():
+        cal = "-" if cost.calibrated is None else f"{cost.calibrated * 1e3:.2f}"
+        parts.append(f"{budget_label(arm)} {cost.seconds * 1e3:.2f}ms (served {cost.served}, cal {cal}, "
+                     f"yield {arms.tokens_per_seq(sampled, arm, cost):.2f})")
+    rows = batch * prompt_rows
+    parts.append(f"catch-up of {rows} rows {arms.catch_up_seconds(rows) * 1e3:.1f}ms, "
+                 f"its rows alone {arms.catch_up.row_seconds(rows) * 1e3:.1f}ms")
+    return "state: " + "; ".join(parts)
 
 
 def main() -> None:
@@ -163,6 +204,8 @@ def main() -> None:
                       f"(ar {ar.wall_s * 1e3:.1f} ms, adaptive {ad.wall_s * 1e3:.1f} ms)")
                 print("    adaptive:", " ".join(trace))
                 print("    ar:      ", " ".join(base_trace))
+                if r == args.rounds and adaptive.adaptive is not None:
+                    print("    " + _arm_state(adaptive, batch, temperature > 0, args.prompt_tokens))
                 if profiler is not None:  # (its own overhead inflates the round above)
                     print("    host profile of that adaptive round (top 30 by own time):")
                     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)

@@ -97,6 +97,22 @@ CALIBRATED_MARGIN = 1.5  # a switch weighed on a drafting cost only calibrated m
 FILL_REMEASURE = 32  # free filling choices of a bucket between runs of the filling arm not chosen
 
 
+@dataclass(frozen=True)
+class SwitchWeighing:
+    """The terms of the last switch to drafting weighed (``_switch_pays``), for diagnosis:
+    it pays when ``saving`` exceeds ``margin * (catch_up + drain)`` (seconds)."""
+
+    arm: TreeBudget
+    saving: float
+    catch_up: float
+    drain: float
+    margin: float
+
+    @property
+    def pays(self) -> bool:
+        return self.saving > self.margin * (self.catch_up + self.drain)
+
+
 @dataclass
 class StepCost:
     """EWMAs of one kind of decode step in one batch bucket: seconds, sequences and emitted
@@ -116,6 +132,7 @@ class StepCost:
     # dearer one slowly (what a switch away from this arm is weighed against).
     floor: float = float("inf")
     served: int = 0  # steps of it served in the bucket (a calibrated cost counts none)
+    calibrated: float | None = None  # the start-up calibration's step seconds, if seeded
 
     def add(self, seconds: float, rows: int, tokens: int) -> None:
         self.served += 1
@@ -190,6 +207,8 @@ class MeasuredArms:
         self._fill: dict[tuple[int, bool], _Bucket] = {}
         # The drafting arm the filling steps of the fill under way keep (``_filling_arm``).
         self._fill_drafting: TreeBudget | None = None
+        # The terms of the last switch weighed on costs (``_switch_pays``; diagnosis tools).
+        self.last_weighing: SwitchWeighing | None = None
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -214,7 +233,8 @@ class MeasuredArms:
         if not seconds > 0.0:
             raise ValueError(f"a calibrated step time is positive, got {seconds}")
         self._bucket(batch_size.bit_length(), sampled).costs[arm] = StepCost(
-            seconds, float(batch_size), float(batch_size), MIN_MEASURED, seconds, seconds / batch_size
+            seconds, float(batch_size), float(batch_size), MIN_MEASURED, seconds, seconds / batch_size,
+            calibrated=seconds,
         )
 
     def observe_filling(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, tokens: int) -> None:
@@ -319,6 +339,10 @@ class MeasuredArms:
             for arm, cost in bucket.costs.items()
             if cost.count >= MIN_MEASURED
         ]
+
+    def bucket_costs(self, batch_size: int, sampled: bool) -> dict[TreeBudget, StepCost]:
+        """The costs recorded in ``batch_size``'s bucket, by arm (diagnosis tools)."""
+        return dict(self._buckets.get((batch_size.bit_length(), sampled), _Bucket()).costs)
 
     def fill_cost_table(self) -> list[tuple[bool, TreeBudget, StepCost]]:
         """Every arm's measured filling step per decode batch bucket (``observe_filling``):
@@ -581,7 +605,8 @@ class MeasuredArms:
             drain = self._drain_seconds(est, batch_size, sampled, arm, tokens_left)  # type: ignore[arg-type]
         else:
             drain = DRAIN_STEPS * est.step
-        return saving > margin * (catch_up + drain)
+        self.last_weighing = SwitchWeighing(arm, saving, catch_up, drain, margin)
+        return self.last_weighing.pays
 
     def _saving(
         self, new: _Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,

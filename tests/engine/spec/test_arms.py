@@ -481,6 +481,11 @@ def test_calibrated_step_times_need_no_run_to_be_known_at_any_batch_size() -> No
         est = arms.estimate(9, False, arm)
         assert est is not None and est.measured and est.source == 9
         assert est.step == pytest.approx((CALIBRATED[arm][0] + 255 * CALIBRATED[arm][1]) / 1000)
+    # The calibration's time is kept beside the cost the served steps move.
+    arms.observe(256, False, CHAIN, 0.009, 800)
+    cost = arms.bucket_costs(256, False)[CHAIN]
+    assert cost.served == 1 and cost.calibrated == pytest.approx((1.5 + 255 * 0.025) / 1000)
+    assert cost.seconds > cost.calibrated
     with pytest.raises(ValueError, match="positive"):
         arms.seed_cost(1, False, TREE, 0.0)
 
@@ -587,6 +592,13 @@ def test_a_filling_batch_asks_whether_it_will_draft_once_full_without_choosing(
     arms = measured()
     asked = arms.drafting_arm(64, False, [NO_SPEC, CHAIN], 6400, tokens_left)
     assert asked == (CHAIN if drafts else None)
+    # The terms weighed are kept for diagnosis: the saving over the horizon (64 sequences, at
+    # most 200 tokens each, 0.03 ms per token saved) against the catch-up and 2 steps' drain.
+    weighing = arms.last_weighing
+    assert weighing is not None and weighing.arm == CHAIN and weighing.pays == drafts
+    assert weighing.saving == pytest.approx(64 * tokens_left * (0.010 / 64 - 0.026 / 200))
+    assert weighing.catch_up == pytest.approx(arms.catch_up_seconds(6400))
+    assert weighing.drain == pytest.approx(2 * 0.026) and weighing.margin == 1.0
     assert arms.drafting_arm(64, False, [NO_SPEC, CHAIN], 6400, tokens_left, closed=True) == asked
     # Nothing known at a batch size or no catch-up cost known: no answer.
     assert arms.drafting_arm(64, True, [NO_SPEC, CHAIN], 6400, tokens_left) is None
