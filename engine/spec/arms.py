@@ -446,7 +446,7 @@ class MeasuredArms:
         if best is None:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(lag_rows)
-        base_cost = self._base_cost(bucket, arms[0], estimates[arms[0]])
+        base_cost = self._base_cost(target, sampled, bucket, arms[0], estimates[arms[0]], batch_size)
         drains = closed and tokens_left is not None and self.spread.ready
 
         def pays(arm: TreeBudget) -> bool:
@@ -544,7 +544,8 @@ class MeasuredArms:
         estimates, best = self._cheapest(target, sampled, arms)
         if best is None or not best.speculates:
             return None
-        base_cost = self._base_cost(self._buckets.get((target, sampled), _Bucket()), arms[0], estimates[arms[0]])
+        bucket = self._buckets.get((target, sampled), _Bucket())
+        base_cost = self._base_cost(target, sampled, bucket, arms[0], estimates[arms[0]], batch_size)
         catch_up = self.catch_up_seconds(lag_rows)
         if base_cost is None or catch_up <= 0:
             return None
@@ -561,16 +562,32 @@ class MeasuredArms:
         known = [(e.per_token, i) for i, e in enumerate(estimates.values()) if e is not None]
         return estimates, (arms[min(known)[1]] if known else None)
 
-    @staticmethod
-    def _base_cost(bucket: _Bucket, no_spec: TreeBudget, base: _Estimate | None) -> float | None:
+    def _base_cost(
+        self, target: int, sampled: bool, bucket: _Bucket, no_spec: TreeBudget, base: _Estimate | None,
+        batch_size: int,
+    ) -> float | None:
         """Autoregressive decoding's seconds per token a switch to drafting is weighed against:
         measured in the bucket, at its floor cost (its steps' cost varies with the host's load,
         and a switch decided on a dear moment pays its catch-up for nothing: the H200's batch 64
-        did). None: not measured there."""
+        did). None: not measured there. Where its steps were only calibrated, never served, an
+        autoregressive step costs at most what it does calibrated and at least what one served
+        at a smaller batch does (a larger batch never makes it cheaper): the H200's step at
+        batch 256 was calibrated at 1.45-1.89 ms where served ones took ~1.0-1.3 ms, batch 128's
+        0.95, and the engine drafted at batch 256 where it lost 6-8% (session 32)."""
         measured_ar = bucket.costs.get(no_spec)
         if measured_ar is None or measured_ar.count < MIN_MEASURED or base is None:
             return None
-        return min(base.per_token, measured_ar.floor)
+        cost = min(base.per_token, measured_ar.floor)
+        if measured_ar.served < MIN_MEASURED:
+            smaller = [
+                (b, c) for (b, s), bk in self._buckets.items()
+                if s == sampled and b < target and (c := bk.costs.get(no_spec)) is not None
+                and c.served >= MIN_MEASURED
+            ]  # fmt: skip
+            if smaller:
+                _, served = max(smaller, key=lambda bc: bc[0])
+                cost = min(cost, served.floor * served.rows / max(batch_size, 1))
+        return cost
 
     def _switch_pays(
         self, arm: TreeBudget, est: _Estimate | None, base_cost: float | None, batch_size: int,

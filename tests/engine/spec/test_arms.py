@@ -537,6 +537,32 @@ def test_a_predicted_yield_lets_a_large_batch_draft_without_an_exploring_run(
     assert arms.choose(256, False, ARMS, 16384, tokens_left=128) == (CHAIN if drafts else NO_SPEC)
 
 
+@pytest.mark.parametrize(("served_at_128", "served_at_256", "drafts"), [
+    (True, False, False), (False, False, True), (True, True, True),
+])  # fmt: skip
+def test_an_autoregressive_step_only_calibrated_costs_at_most_one_served_at_a_smaller_batch(
+    served_at_128: bool, served_at_256: bool, drafts: bool
+) -> None:
+    """Batch 256's autoregressive step calibrated at 1.8 ms (7.0 us per token) makes a chain at
+    3.1 us per token save 65 ms over 64 tokens, far above its 10 ms catch-up and 5 ms drain; but
+    steps served at batch 128 took 0.95 ms, and a larger batch's step costs no less: weighed at
+    3.7 us per token the saving is 10 ms, and the batch decodes autoregressively. Without served
+    steps at a smaller batch the calibration stands, and so do steps served at 256 themselves."""
+    arms = MeasuredArms(explore_every=10_000)
+    arms.seed_cost(128, False, NO_SPEC, 0.00118)
+    arms.seed_cost(256, False, NO_SPEC, 0.0018)
+    arms.catch_up.calibrate([(64, 0.002), (16384, 0.010)])
+    for _ in range(3):
+        arms.observe(256, False, CHAIN, 0.0026, round(256 * 3.3))
+        if served_at_128:
+            arms.observe(128, False, NO_SPEC, 0.00095, 128)
+        if served_at_256:
+            arms.observe(256, False, NO_SPEC, 0.0018, 256)
+    asked = arms.drafting_arm(256, False, [NO_SPEC, CHAIN], 16384, 64)
+    assert asked == (CHAIN if drafts else None)
+    assert arms.choose(256, False, [NO_SPEC, CHAIN], 16384, tokens_left=64) == (CHAIN if drafts else NO_SPEC)
+
+
 def test_a_switch_on_a_cost_only_calibrated_must_clear_a_margin() -> None:
     """Calibrated over random prompts, a drafting step misses the host work of what served steps
     accept: a switch whose saving over the 64 tokens left pays its catch-up and drain only
