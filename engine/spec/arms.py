@@ -446,7 +446,7 @@ class MeasuredArms:
         if best is None:  # nothing measured anywhere: run every arm in turn
             return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(lag_rows)
-        base_cost = self._base_cost(target, sampled, bucket, arms[0], estimates[arms[0]], batch_size)
+        base_cost = self._base_cost(target, sampled, arms[0], estimates[arms[0]], batch_size)
         drains = closed and tokens_left is not None and self.spread.ready
 
         def pays(arm: TreeBudget) -> bool:
@@ -544,8 +544,7 @@ class MeasuredArms:
         estimates, best = self._cheapest(target, sampled, arms)
         if best is None or not best.speculates:
             return None
-        bucket = self._buckets.get((target, sampled), _Bucket())
-        base_cost = self._base_cost(target, sampled, bucket, arms[0], estimates[arms[0]], batch_size)
+        base_cost = self._base_cost(target, sampled, arms[0], estimates[arms[0]], batch_size)
         catch_up = self.catch_up_seconds(lag_rows)
         if base_cost is None or catch_up <= 0:
             return None
@@ -563,8 +562,7 @@ class MeasuredArms:
         return estimates, (arms[min(known)[1]] if known else None)
 
     def _base_cost(
-        self, target: int, sampled: bool, bucket: _Bucket, no_spec: TreeBudget, base: _Estimate | None,
-        batch_size: int,
+        self, target: int, sampled: bool, no_spec: TreeBudget, base: _Estimate | None, batch_size: int
     ) -> float | None:
         """Autoregressive decoding's seconds per token a switch to drafting is weighed against:
         measured in the bucket, at its floor cost (its steps' cost varies with the host's load,
@@ -574,18 +572,20 @@ class MeasuredArms:
         at a smaller batch does (a larger batch never makes it cheaper): the H200's step at
         batch 256 was calibrated at 1.45-1.89 ms where served ones took ~1.0-1.3 ms, batch 128's
         0.95, and the engine drafted at batch 256 where it lost 6-8% (session 32)."""
-        measured_ar = bucket.costs.get(no_spec)
+        own = self._buckets.get((target, sampled))
+        measured_ar = None if own is None else own.costs.get(no_spec)
         if measured_ar is None or measured_ar.count < MIN_MEASURED or base is None:
             return None
         cost = min(base.per_token, measured_ar.floor)
         if measured_ar.served < MIN_MEASURED:
-            smaller = [
-                (b, c) for (b, s), bk in self._buckets.items()
-                if s == sampled and b < target and (c := bk.costs.get(no_spec)) is not None
-                and c.served >= MIN_MEASURED
-            ]  # fmt: skip
-            if smaller:
-                _, served = max(smaller, key=lambda bc: bc[0])
+            smaller = max(
+                ((b, c) for (b, s), bk in self._buckets.items()
+                 if s == sampled and b < target and (c := bk.costs.get(no_spec)) is not None
+                 and c.served >= MIN_MEASURED),
+                key=lambda bc: bc[0], default=None,
+            )  # fmt: skip
+            if smaller is not None:
+                served = smaller[1]
                 cost = min(cost, served.floor * served.rows / max(batch_size, 1))
         return cost
 
