@@ -95,6 +95,9 @@ HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it i
 YIELD_PRIOR_SEQ_STEPS = 16.0  # sequence-steps of measurement the simulator's yield counts as
 CALIBRATED_MARGIN = 1.5  # a switch weighed on a drafting cost only calibrated must clear this
 FILL_REMEASURE = 32  # free filling choices of a bucket between runs of the filling arm not chosen
+# Sequence-steps of measured yield below which a drafting arm's yield is still being learnt: it
+# is re-run as soon as the time served since its last run pays for the run (``_thin_yield``).
+THIN_YIELD_SEQ_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,10 @@ class MeasuredArms:
         self._fill_drafting: TreeBudget | None = None
         # The terms of the last switch weighed on costs (``_switch_pays``; diagnosis tools).
         self.last_weighing: SwitchWeighing | None = None
+        # Seconds of decode steps served (steady and filling), and that clock's reading when
+        # each arm last began an exploring run: what a run to learn a thin yield may spend.
+        self._served_s = 0.0
+        self._explored_at: dict[tuple[bool, TreeBudget], float] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
         return self._buckets.setdefault((bucket, sampled), _Bucket())
@@ -219,6 +226,7 @@ class MeasuredArms:
         max_tokens / stop truncation."""
         if tokens <= 0:
             return
+        self._served_s += seconds
         _add_step(self._bucket(batch_size.bit_length(), sampled), arm, seconds, batch_size, tokens)
         if arm.speculates:
             self._observe_yield(batch_size, sampled, arm, tokens)
@@ -243,6 +251,7 @@ class MeasuredArms:
         decode's last read (the same prefill work under either arm, and for a drafting arm
         the newcomers' batch rows loaded afresh) and the tokens the decode produced."""
         if tokens > 0:
+            self._served_s += seconds
             bucket = self._fill.setdefault((batch_size.bit_length(), sampled), _Bucket())
             _add_step(bucket, arm, seconds, batch_size, tokens)
 
@@ -481,6 +490,14 @@ class MeasuredArms:
                 # if a run's catch-up fits the horizon (below; the yield found at one batch size
                 # serves all).
                 interval, share = 1.0, EXPLORE_SHARE_NEW
+            elif arm.speculates and self._relearn(sampled, arm, chosen, est, chosen_cost, batch_size, catch_up):
+                # Its yield measured on a few sequence-steps only, while no drafting arm is
+                # chosen, and the time served since its last run pays for another at that share,
+                # whatever the horizon: the yield serves every later request. (The demo model on
+                # an H200: batch-1 requests of 64 tokens one at a time, where a 2 ms run never
+                # fit 0.1 x 21 ms; the tree's yield stood at 2.4 tokens from three steps of the
+                # warm-up, and the engine never drafted again, where batch 64 measured 6.2.)
+                interval = 1.0
             elif (not est.measured
                     and self._worth_measuring(target, sampled, arm, est, arms[0], chosen_cost)
                     and (est.source > target or pays(arm))):
@@ -526,7 +543,9 @@ class MeasuredArms:
                 overdue.append((waited / interval, arm))
         if overdue:
             self._held = None
-            return self._explore(bucket, max(overdue, key=lambda o: o[0])[1])
+            arm = max(overdue, key=lambda o: o[0])[1]
+            self._explored_at[(sampled, arm)] = self._served_s
+            return self._explore(bucket, arm)
         self._held = (key, chosen, bucket.steps + HOLD_STEPS)
         return self._ran(bucket, chosen)
 
@@ -660,6 +679,23 @@ class MeasuredArms:
 
         whole = closed_batch_seconds(step_at, batch_size, steps, self.spread.quantiles())
         return max(whole - steps * step_at(batch_size), 0.0)
+
+    def _relearn(
+        self, sampled: bool, arm: TreeBudget, chosen: TreeBudget, est: _Estimate, chosen_cost: float,
+        batch_size: int, catch_up: float,
+    ) -> bool:
+        """Whether drafting ``arm``, whose yield was measured on fewer than
+        ``THIN_YIELD_SEQ_STEPS`` sequence-steps (a run or two at batch 1), is to be run again now
+        to learn it: only while autoregressive decoding is chosen (a drafting arm chosen
+        measures the others' yields too, ``observe_counterfactual_yield``), and only if the run
+        (its catch-up, and what its steps cost beyond the chosen arm's for the tokens they
+        yield) costs at most ``EXPLORE_SHARE_NEW`` of the time served since the arm last ran."""
+        seen = self._yield.get((sampled, arm), (0.0, 0))[1]
+        if chosen.speculates or seen >= THIN_YIELD_SEQ_STEPS:
+            return False
+        tokens = RUN * batch_size * est.step / max(est.per_token, 1e-12)
+        run_cost = catch_up + tokens * max(est.per_token - chosen_cost, 0.0)
+        return run_cost <= EXPLORE_SHARE_NEW * (self._served_s - self._explored_at.get((sampled, arm), 0.0))
 
     def _worth_measuring(
         self, target: int, sampled: bool, arm: TreeBudget, est: _Estimate, baseline: TreeBudget,

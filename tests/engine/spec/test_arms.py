@@ -709,3 +709,47 @@ def test_a_drafting_fill_keeps_drafting_until_it_ends() -> None:
     assert arms.choose(64, False, [NO_SPEC, CHAIN], 64, tokens_left=200, filling=True) == NO_SPEC  # behind
     assert arms.choose(64, False, [NO_SPEC, CHAIN], 0, tokens_left=200) == NO_SPEC  # the fill ended
     assert arms.choose(64, False, [NO_SPEC, CHAIN], 0, tokens_left=200, filling=True, filled_batch=64) == NO_SPEC
+
+
+def _request_alone(arms: MeasuredArms, step_s: dict[TreeBudget, float], yields: dict[TreeBudget, int]) -> list[TreeBudget]:
+    """One 64-token request at batch 1, its prompt (64 rows) not caught up: every step as the
+    engine runs it (a drafting step after autoregressive ones catches up first, timed apart)."""
+    lag, left, chosen = 64, 64, []
+    while left > 0:
+        arm = arms.choose(1, False, ARMS, lag, tokens_left=left, closed=True)
+        tokens = min(yields[arm], left)
+        arms.observe(1, False, arm, step_s[arm], tokens)
+        lag = lag + 1 if not arm.speculates else 0
+        left -= tokens
+        chosen.append(arm)
+    return chosen
+
+
+def test_a_yield_measured_on_a_few_poor_steps_is_measured_again_as_time_is_served() -> None:
+    """The demo model on an H200: batch-1 requests of 64 tokens arriving one at a time. The
+    warm-up's runs of the tree and the chain (first steps, dearer than steady ones) on a hard
+    stretch put their yields at 2.4 and 2.0 tokens, no better per token than an autoregressive
+    step, and a run to re-measure either (its catch-up, ~1 ms) never fit the share of one
+    request's horizon a run may take (~0.4 ms), so the engine never drafted again (the demo's
+    check: 126 autoregressive steps in 2 requests, 1.00x). A yield seen on so few
+    sequence-steps is re-measured once the time served since the arm's last run pays for the
+    run at that share: within two requests, after which drafting carries the requests."""
+    step_s = {NO_SPEC: 0.00033, CHAIN: 0.00064, TREE: 0.00078}
+    yields = {NO_SPEC: 1, CHAIN: 4, TREE: 5}
+    arms = MeasuredArms(explore_every=16)
+    for arm, ms in ((NO_SPEC, 0.30), (CHAIN, 0.51), (TREE, 0.67)):
+        arms.seed_cost(1, False, arm, ms / 1000)
+    arms.catch_up.calibrate([(16, 0.0006), (64, 0.001)])
+    arms.set_predicted_yield(False, CHAIN, 3.2, weight=1.0)
+    arms.set_predicted_yield(False, TREE, 3.7, weight=1.0)
+    for chain in (2, 1, 2):  # the warm-up's runs
+        arms.observe(1, False, NO_SPEC, step_s[NO_SPEC], 1)
+        arms.observe(1, False, CHAIN, 0.0008, chain)
+        arms.observe(1, False, TREE, 0.0009, 2)
+    ar = arms.per_token(1, False, NO_SPEC)
+    assert ar is not None and all(arms.per_token(1, False, arm) >= ar for arm in (CHAIN, TREE))  # type: ignore[operator]
+    assert arms.choose(1, False, ARMS, 64, tokens_left=64, closed=True) == NO_SPEC
+    first_two = _request_alone(arms, step_s, yields) + _request_alone(arms, step_s, yields)
+    assert any(arm.speculates for arm in first_two)
+    later = [arm for _ in range(6) for arm in _request_alone(arms, step_s, yields)]
+    assert sum(arm.speculates for arm in later) > 0.8 * len(later)
