@@ -47,9 +47,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def closed_round(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """One closed greedy batch, timed by phase (ms)."""
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def closed_round(
+    eng: LLMEngine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
+) -> dict[str, float]:
+    """One closed batch (greedy, or sampled at ``temperature``), timed by phase (ms)."""
+    sp = SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True)
     gc.collect()
     _sync(eng.device)
     phases: dict[str, float] = defaultdict(float)
@@ -83,11 +85,13 @@ def closed_round(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> d
     return out
 
 
-def host_profile(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+def host_profile(
+    eng: LLMEngine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
+) -> dict[str, float]:
     """Own host time (ms) per function over one closed round."""
     prof = cProfile.Profile()
     prof.enable()
-    closed_round(eng, prompts, new_tokens)
+    closed_round(eng, prompts, new_tokens, temperature)
     prof.disable()
     stats = pstats.Stats(prof)
     own: dict[str, float] = {}
@@ -96,12 +100,14 @@ def host_profile(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> d
     return own
 
 
-def device_profile(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, tuple[float, int]]:
+def device_profile(
+    eng: LLMEngine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
+) -> dict[str, tuple[float, int]]:
     """Device kernels over one closed round: name -> (ms, count)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        closed_round(eng, prompts, new_tokens)
+        closed_round(eng, prompts, new_tokens, temperature)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type.name == "CUDA":
@@ -127,6 +133,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds")
     parser.add_argument("--no-device-profile", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -139,22 +146,25 @@ def main() -> None:
     vocab = base.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     settle_heap()
-    results: dict[str, object] = {"device": str(device), "preset": args.random_preset, "points": []}
+    results: dict[str, object] = {
+        "device": str(device), "preset": args.random_preset, "temperature": args.temperature, "points": [],
+    }
+    T = args.temperature
     text = io.StringIO()
     for batch in batches:
         prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
         for r in range(args.rounds + 1):  # round 0 warms up
             for name, eng in engines.items():
-                timed = closed_round(eng, prompts, args.new_tokens)
+                timed = closed_round(eng, prompts, args.new_tokens, T)
                 if r:
                     rounds[name].append(timed)
         medians = {name: {k: round(statistics.median(t[k] for t in rs), 3) for k in rs[0]}
                    for name, rs in rounds.items()}  # fmt: skip
-        hosts = {name: host_profile(eng, prompts, args.new_tokens) for name, eng in engines.items()}
+        hosts = {name: host_profile(eng, prompts, args.new_tokens, T) for name, eng in engines.items()}
         point: dict[str, object] = {"batch": batch, "rounds": rounds, "median_ms": medians}
         print(f"batch {batch}: median ms per phase {json.dumps(medians)}", flush=True)
-        text.write(f"==== batch {batch}\nmedian ms per phase:\n")
+        text.write(f"==== batch {batch}, T={T}\nmedian ms per phase:\n")
         for name, m in medians.items():
             text.write(f"  {name:12s} {json.dumps(m)}\n")
         text.write("host functions, own ms per round, adaptive-ar's excess first (ar, adaptive-ar):\n")
@@ -163,7 +173,7 @@ def main() -> None:
         text.write(f"  total own time: ar {sum(hosts['ar'].values()):.1f} ms, "
                    f"adaptive-ar {sum(hosts['adaptive-ar'].values()):.1f} ms (under cProfile)\n")
         if not args.no_device_profile and device.type == "cuda":
-            kernels = {name: device_profile(eng, prompts, args.new_tokens) for name, eng in engines.items()}
+            kernels = {name: device_profile(eng, prompts, args.new_tokens, T) for name, eng in engines.items()}
             ms = {name: {k: v[0] for k, v in ks.items()} for name, ks in kernels.items()}
             counts = {name: sum(n for _, n in ks.values()) for name, ks in kernels.items()}
             totals = {name: round(sum(m.values()), 3) for name, m in ms.items()}

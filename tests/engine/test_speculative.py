@@ -695,3 +695,53 @@ def test_an_adaptive_engine_serves_a_request_its_first_token_ends(small_vocab_di
                                     engine_config=EngineConfig(cuda_graphs=True))  # fmt: skip
     out = eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 1 and out[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("batch", "latched"), [(64, True), (8, False)])
+def test_a_large_closed_batch_decoding_autoregressively_latches_its_choice(
+    small_vocab_dir: Path, batch: int, latched: bool
+) -> None:
+    """Drafting measured dear at every batch size: a closed batch of 64 behind its MTP modules
+    (its prompts never caught up) decodes autoregressively, and after its first decode step no
+    choice is made and no step measured until the batch changes: the steps do no host work
+    beyond the baseline's but the hidden log's. A batch of 8 keeps choosing at every step. The
+    tokens are the baseline's either way, and every step is counted as autoregressive."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+    controller = eng.adaptive
+    assert controller is not None
+    tree, chain = controller._planned_tree(eng), controller.chain
+    for size in (1, 8, 64):
+        for _ in range(5):
+            controller.observe(size, NO_SPEC, seconds=0.001 * size, tokens=size)
+            for arm in (tree, chain):
+                controller.observe(size, arm, seconds=0.1 * size, tokens=2 * size)
+    choices, observed = 0, 0
+    choose, observe = controller.arms.choose, controller.arms.observe
+
+    def counting_choose(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal choices
+        choices += 1
+        return choose(*args, **kwargs)
+
+    def counting_observe(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal observed
+        observed += 1
+        return observe(*args, **kwargs)
+
+    controller.arms.choose, controller.arms.observe = counting_choose, counting_observe  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(batch)
+    vocab = eng.model_config.vocab_size
+    prompts = [torch.randint(0, vocab, (12,), generator=gen).tolist() for _ in range(batch)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = eng.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base.generate(prompts, sp)]
+    decode_steps = sum(controller.steps_per_arm.values())
+    assert controller.steps_per_arm[NO_SPEC] == decode_steps >= 9  # the prefill made token 1
+    if latched:
+        # The filling step (the 64 prompts prefill in two chunks), the full batch's first
+        # decode step (it latches), and the last step of the second chunk's 22 sequences (the
+        # first chunk's 42, a token ahead, have finished): 3 choices in 10 steps.
+        assert choices <= 3 and observed <= 2, (choices, observed)
+    else:
+        assert choices == decode_steps and observed >= decode_steps - 1, (choices, observed)
