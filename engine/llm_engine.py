@@ -228,9 +228,8 @@ class LLMEngine:
         self._summary: _BatchSummary | None = None
         # Adaptive: a closed batch that chose autoregressive decoding while behind, (scheduler
         # version, batch size, sampled): its steps decode autoregressively with no choice made
-        # or step measured until the batch changes (``_choose_budget``); this step is one.
+        # until the batch changes (``_choose_budget``).
         self._ar_latch: tuple[int, int, bool] | None = None
-        self._latched_step = False
         # Tokens this step's decode produced before max_tokens / stop truncation: what the
         # chosen speculation (or none) delivers, the measure the adaptive controller compares.
         self._step_tokens = 0
@@ -470,7 +469,7 @@ class LLMEngine:
         self._last_drafting = None
         self._fill_asked, self._fill_catch_up = False, None
         self._summary = None
-        self._ar_latch, self._latched_step = None, False
+        self._ar_latch = None
         self._yield_clock = (0, 0.0)
         self._steps_since_arrival = 0
         self._zero_events.clear()
@@ -617,9 +616,7 @@ class LLMEngine:
                 if host_step:
                     self.wait_for_device()
                 seconds = time.perf_counter() - start
-                if self._latched_step:
-                    pass  # a latched autoregressive step: not measured (``_choose_budget``)
-                elif self._catch_up_s is not None:  # timed alone: the rest is a steady step
+                if self._catch_up_s is not None:  # timed alone: the rest is a steady step
                     self.adaptive.observe_catch_up(
                         len(decode), budget, self._catch_up_s, lag, sampled, timed_alone=True
                     )
@@ -704,7 +701,7 @@ class LLMEngine:
             # controller took autoregressive steps for ~free (the H200's batch 1, T=0.7, took
             # them 277 times against 142 tree steps). A step read without launching one has no
             # turn of its own (its successor is the next ``step``'s, timed there): not counted.
-            if self._ahead is not None and not self._latched_step:
+            if self._ahead is not None:
                 self.adaptive.observe(len(seqs), budget, self._ahead_since - since, self._step_tokens, sampled)
             self._tick_yield_clock(budget, sampled)
         self.last_decode_budget = budget_label(budget)
@@ -733,13 +730,11 @@ class LLMEngine:
         rows of sequences within a steady step's catch-up slack), once: by then every sequence
         is past its slack, and each autoregressive step adds exactly one row per sequence (the
         re-read of 256 sequences every 32 steps cost ~11 us a step on a 2-core host)."""
-        self._latched_step = False
         if self.adaptive is None:
             return self.budget, 0, False
         key = (self.scheduler.version, len(seqs))
         latch = self._ar_latch
         if latch is not None and not filling and latch[:2] == key:
-            self._latched_step = True
             self.adaptive.steps_per_arm[NO_SPEC] += 1
             return NO_SPEC, 0, latch[2]
         self._ar_latch = None
@@ -761,11 +756,13 @@ class LLMEngine:
             # Latched: a large closed batch behind its MTP modules that decodes
             # autoregressively stays so until it changes (a sequence finishes): each step puts
             # it one row per sequence further behind with one token fewer left, so a switch
-            # only pays less. Its steps then do no host work beyond the baseline's but the
-            # hidden log's: no summary, choice or measurement (the H200's batch 256 decoding
-            # autoregressively ran 3% (greedy) and 7% (T=0.7) slower than the baseline, its
-            # steps host-bound, session 33). Small batches keep choosing: their choice costs
-            # little, and a run there re-measures a yield cheaply (``MeasuredArms._relearn``).
+            # only pays less. Its steps then skip the batch summary and the choice (the H200's
+            # batch 256 decoding autoregressively ran 3% (greedy) and 7% (T=0.7) slower than
+            # the baseline, its steps host-bound, session 33). They are still measured: left to
+            # the dear steps around a batch change, the autoregressive cost rose to 1.9 ms at
+            # batch 256, and batches of 64-256 drafted where they lost. Small batches keep
+            # choosing: their choice costs little, and a run there re-measures a yield cheaply
+            # (``MeasuredArms._relearn``).
             self._ar_latch = (*key, summary.sampled)
         return budget, summary.lag, summary.sampled
 

@@ -703,9 +703,11 @@ def test_a_large_closed_batch_decoding_autoregressively_latches_its_choice(
 ) -> None:
     """Drafting measured dear at every batch size: a closed batch of 64 behind its MTP modules
     (its prompts never caught up) decodes autoregressively, and after its first decode step no
-    choice is made and no step measured until the batch changes: the steps do no host work
-    beyond the baseline's but the hidden log's. A batch of 8 keeps choosing at every step. The
-    tokens are the baseline's either way, and every step is counted as autoregressive."""
+    choice is made until the batch changes: no batch summary, no choice, only the step's
+    measurement (without it, the autoregressive cost was left to the dear steps around a batch
+    change, and the H200's batches of 64-256 drafted where they lost: session 33). A batch of 8
+    keeps choosing at every step. The tokens are the baseline's either way, and every step is
+    counted as autoregressive."""
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
     controller = eng.adaptive
@@ -742,6 +744,7 @@ def test_a_large_closed_batch_decoding_autoregressively_latches_its_choice(
         # The filling step (the 64 prompts prefill in two chunks), the full batch's first
         # decode step (it latches), and the last step of the second chunk's 22 sequences (the
         # first chunk's 42, a token ahead, have finished): 3 choices in 10 steps.
-        assert choices <= 3 and observed <= 2, (choices, observed)
+        assert choices <= 3, choices
     else:
-        assert choices == decode_steps and observed >= decode_steps - 1, (choices, observed)
+        assert choices == decode_steps, choices
+    assert observed >= decode_steps - 1  # every step without a prefill is measured
