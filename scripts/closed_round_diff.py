@@ -135,14 +135,44 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds")
     parser.add_argument("--no-device-profile", action="store_true")
+    parser.add_argument(
+        "--choosing", action="store_true",
+        help="the adaptive engine chooses autoregressive steps itself (drafting measured dear at "
+        "every batch size) instead of being pinned to them",
+    )
+    parser.add_argument("--no-latch", action="store_true", help="with --choosing: no latched choice")
+    parser.add_argument(
+        "--prefill-chunk-tokens", type=int, default=None,
+        help="prompt tokens prefilled per step by both engines (the CPU default, 512, fills a batch "
+        "of 256 64-token prompts over 32 steps; CUDA's 4096 over 4)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     device = torch.device(args.device)
     base, adaptive = random_engine(args.random_preset, device, max(batches), ["none", "adaptive"])
-    assert adaptive.adaptive is not None
-    adaptive.adaptive.forced = NO_SPEC  # every step autoregressive, no prompt caught up
+    controller = adaptive.adaptive
+    assert controller is not None
+    if args.choosing:
+        # Every drafting arm measured far dearer than an autoregressive step at every batch
+        # bucket: the engine chooses autoregressive decoding itself, through its real path.
+        for sampled in (False, True):
+            arms = controller._captured_arms(adaptive, sampled) or [controller.chain, controller._planned_tree(adaptive)]
+            for size in sorted({1 << k for k in range(max(batches).bit_length())} | set(batches)):
+                for _ in range(5):
+                    controller.observe(size, NO_SPEC, 1e-3, size, sampled)
+                    for arm in arms:
+                        controller.observe(size, arm, 1.0, 2 * size, sampled)
+        if args.no_latch:
+            import engine.llm_engine
+
+            engine.llm_engine.AR_LATCH_MIN_BATCH = 1 << 30
+    else:
+        controller.forced = NO_SPEC  # every step autoregressive, no prompt caught up
     engines = {"ar": base, "adaptive-ar": adaptive}
+    if args.prefill_chunk_tokens is not None:
+        for eng in engines.values():
+            eng.scheduler.prefill_chunk_tokens = args.prefill_chunk_tokens
     vocab = base.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     settle_heap()
