@@ -697,17 +697,17 @@ def test_an_adaptive_engine_serves_a_request_its_first_token_ends(small_vocab_di
     assert len(out[0].token_ids) == 1 and out[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize(("batch", "latched"), [(64, True), (8, False)])
+@pytest.mark.parametrize(("batch", "temperature", "latched"), [(64, 0.0, True), (64, 0.7, True), (8, 0.0, False)])
 def test_a_large_closed_batch_decoding_autoregressively_latches_its_choice(
-    small_vocab_dir: Path, batch: int, latched: bool
+    small_vocab_dir: Path, batch: int, temperature: float, latched: bool
 ) -> None:
     """Drafting measured dear at every batch size: a closed batch of 64 behind its MTP modules
     (its prompts never caught up) decodes autoregressively, and after its first decode step no
     choice is made until the batch changes: no batch summary, no choice, only the step's
     measurement (without it, the autoregressive cost was left to the dear steps around a batch
     change, and the H200's batches of 64-256 drafted where they lost: session 33). A batch of 8
-    keeps choosing at every step. The tokens are the baseline's either way, and every step is
-    counted as autoregressive."""
+    keeps choosing at every step. The tokens are the baseline's either way (seeded, sampled at
+    T=0.7), and every step is counted as autoregressive."""
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
     controller = eng.adaptive
@@ -715,9 +715,10 @@ def test_a_large_closed_batch_decoding_autoregressively_latches_its_choice(
     tree, chain = controller._planned_tree(eng), controller.chain
     for size in (1, 8, 64):
         for _ in range(5):
-            controller.observe(size, NO_SPEC, seconds=0.001 * size, tokens=size)
-            for arm in (tree, chain):
-                controller.observe(size, arm, seconds=0.1 * size, tokens=2 * size)
+            for sampled in (False, True):
+                controller.observe(size, NO_SPEC, 0.001 * size, size, sampled)
+                for arm in (tree, chain):
+                    controller.observe(size, arm, 0.1 * size, 2 * size, sampled)
     choices, observed = 0, 0
     choose, observe = controller.arms.choose, controller.arms.observe
 
@@ -735,7 +736,7 @@ def test_a_large_closed_batch_decoding_autoregressively_latches_its_choice(
     gen = torch.Generator().manual_seed(batch)
     vocab = eng.model_config.vocab_size
     prompts = [torch.randint(0, vocab, (12,), generator=gen).tolist() for _ in range(batch)]
-    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=10, temperature=temperature, seed=7, ignore_eos=True)
     outs = eng.generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base.generate(prompts, sp)]
     decode_steps = sum(controller.steps_per_arm.values())
