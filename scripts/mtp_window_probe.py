@@ -97,7 +97,6 @@ def main() -> None:
 
     from train.heldout import heldout_prompts
 
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     windows = [None if w == "none" else int(w) for w in args.windows.split(",")]
     specs = {

@@ -96,7 +96,7 @@ YIELD_PRIOR_SEQ_STEPS = 16.0  # sequence-steps of measurement the simulator's yi
 CALIBRATED_MARGIN = 1.5  # a switch weighed on a drafting cost only calibrated must clear this
 FILL_REMEASURE = 32  # free filling choices of a bucket between runs of the filling arm not chosen
 # Sequence-steps of measured yield below which a drafting arm's yield is still being learnt: it
-# is re-run as soon as the time served since its last run pays for the run (``_thin_yield``).
+# is re-run as soon as the time served since its last run pays for the run (``_relearn``).
 THIN_YIELD_SEQ_STEPS = 32
 
 
@@ -453,7 +453,7 @@ class MeasuredArms:
             return self._ran(bucket, self._held[1])
         estimates, best = self._cheapest(target, sampled, arms)
         if best is None:  # nothing measured anywhere: run every arm in turn
-            return self._explore(bucket, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
+            return self._explore(bucket, sampled, min(arms, key=lambda a: bucket.last_run.get(a, -1)))
         catch_up = self.catch_up_seconds(lag_rows)
         base_cost = self._base_cost(target, sampled, arms[0], estimates[arms[0]], batch_size)
         drains = closed and tokens_left is not None and self.spread.ready
@@ -467,7 +467,7 @@ class MeasuredArms:
             # A drafting arm was measured but does not pay here, and no speculation never was at
             # any batch size (CPU engines, no start-up calibration): learn its cost by running it.
             # (Its estimate had been read as if present: a stream of short requests crashed.)
-            return self._explore(bucket, chosen)
+            return self._explore(bucket, sampled, chosen)
         step = estimates[chosen].step  # type: ignore[union-attr]
         chosen_cost = estimates[chosen].per_token  # type: ignore[union-attr]
         if filling:
@@ -490,7 +490,7 @@ class MeasuredArms:
                 # if a run's catch-up fits the horizon (below; the yield found at one batch size
                 # serves all).
                 interval, share = 1.0, EXPLORE_SHARE_NEW
-            elif arm.speculates and self._relearn(sampled, arm, chosen, est, chosen_cost, batch_size, catch_up):
+            elif arm.speculates and self._relearn(sampled, arm, chosen, est, chosen_cost, catch_up):
                 # Its yield measured on a few sequence-steps only, while no drafting arm is
                 # chosen, and the time served since its last run pays for another at that share,
                 # whatever the horizon: the yield serves every later request. (The demo model on
@@ -543,9 +543,7 @@ class MeasuredArms:
                 overdue.append((waited / interval, arm))
         if overdue:
             self._held = None
-            arm = max(overdue, key=lambda o: o[0])[1]
-            self._explored_at[(sampled, arm)] = self._served_s
-            return self._explore(bucket, arm)
+            return self._explore(bucket, sampled, max(overdue, key=lambda o: o[0])[1])
         self._held = (key, chosen, bucket.steps + HOLD_STEPS)
         return self._ran(bucket, chosen)
 
@@ -682,7 +680,7 @@ class MeasuredArms:
 
     def _relearn(
         self, sampled: bool, arm: TreeBudget, chosen: TreeBudget, est: _Estimate, chosen_cost: float,
-        batch_size: int, catch_up: float,
+        catch_up: float,
     ) -> bool:
         """Whether drafting ``arm``, whose yield was measured on fewer than
         ``THIN_YIELD_SEQ_STEPS`` sequence-steps (a run or two at batch 1), is to be run again now
@@ -693,7 +691,7 @@ class MeasuredArms:
         seen = self._yield.get((sampled, arm), (0.0, 0))[1]
         if chosen.speculates or seen >= THIN_YIELD_SEQ_STEPS:
             return False
-        tokens = RUN * batch_size * est.step / max(est.per_token, 1e-12)
+        tokens = RUN * est.step / max(est.per_token, 1e-12)  # the run's steps, every sequence's
         run_cost = catch_up + tokens * max(est.per_token - chosen_cost, 0.0)
         return run_cost <= EXPLORE_SHARE_NEW * (self._served_s - self._explored_at.get((sampled, arm), 0.0))
 
@@ -764,7 +762,8 @@ class MeasuredArms:
         fill.last_run[arm] = fill.steps
         return arm
 
-    def _explore(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
+    def _explore(self, bucket: _Bucket, sampled: bool, arm: TreeBudget) -> TreeBudget:
+        self._explored_at[(sampled, arm)] = self._served_s
         self._run = (arm, RUN - 1)
         return self._ran(bucket, arm)
 

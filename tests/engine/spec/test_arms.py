@@ -753,3 +753,19 @@ def test_a_yield_measured_on_a_few_poor_steps_is_measured_again_as_time_is_serve
     assert any(arm.speculates for arm in first_two)
     later = [arm for _ in range(6) for arm in _request_alone(arms, step_s, yields)]
     assert sum(arm.speculates for arm in later) > 0.8 * len(later)
+
+
+def test_a_thin_yield_is_re_measured_at_a_large_batch_when_the_time_served_pays_for_the_run() -> None:
+    """A batch of 64 decoding autoregressively (1 ms a step) after 300 such steps, the tree's
+    yield seen on three batch-1 steps only: a run of it costs what its ~400 tokens cost beyond
+    the chosen arm's (~2.5 ms), well within a tenth of the 300 ms served, so it runs now; a run
+    counted once per sequence over (64 times as dear) would not."""
+    arms = MeasuredArms(explore_every=16)
+    arms.seed_cost(64, False, NO_SPEC, 0.001)
+    arms.seed_cost(64, False, TREE, 0.003)
+    arms.set_predicted_yield(False, TREE, 2.0, weight=1.0)
+    for _ in range(3):
+        arms.observe(1, False, TREE, 0.0009, 2)
+    for _ in range(300):
+        arms.observe(64, False, NO_SPEC, 0.001, 64)
+    assert arms.choose(64, False, [NO_SPEC, TREE], 0, tokens_left=64, closed=True) == TREE
