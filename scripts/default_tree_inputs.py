@@ -16,16 +16,18 @@ holds the constants to it. This script writes the inputs:
     steady steps of ten full trees from chain-1 to 4x6-16 (``scripts/validate_simulator.py`` fits
     them on two chains only, which proved too noisy here).
 
-``h200``: extracts the H200 inputs from results already in ``bench/results`` (no GPU needed):
-  - acceptance: the greedy counters of ``simulator-validation-h200.json`` (gpu preset, H200,
-    top-3 tree), keeping the depths that at least ``--min-reached`` accepted nodes reached (the
-    deeper rows hold a few pruned-tree observations each; deeper depths reuse the last kept one);
-  - latency at batch 1: whole graphed greedy steps of ``h200-2026-12-01-shapes.json`` (chain
-    1x4-4, tree 4x6-32 and 4x8-40: step = fixed + per_token * tokens + per_depth * depth, solved
-    exactly from the three), and its autoregressive step.
+H200 (the ``gpu`` preset, bfloat16, graphed steps), in two parts:
+  - ``gpu-stats`` measures the acceptance on the H200, as ``cpu`` does (a full top-4, depth-8
+    tree) on 32 held-out prompts none of the benchmark's sweep uses (its first 256), with the
+    model the benchmark trains (``TREE_STATS=1 scripts/gpu_bench.sh`` runs it there);
+  - ``h200-latency`` fits the latency model at batch 1 to a benchmark JSON of fixed shapes
+    measured on the H200: each speculative shape's whole graphed greedy step is fixed +
+    per_token * tokens + per_depth * depth (least squares over the shapes), the autoregressive
+    step verify(1, 1). No GPU needed.
 
     python scripts/default_tree_inputs.py cpu --threads 2   # ~2 min stats + ~2 min latency
-    python scripts/default_tree_inputs.py h200
+    python scripts/default_tree_inputs.py gpu-stats --model runs/bench/gpu   # on the H200
+    python scripts/default_tree_inputs.py h200-latency --shapes bench/results/SHAPES.json
 """
 
 from __future__ import annotations
@@ -41,8 +43,6 @@ from pathlib import Path
 from typing import Any
 
 OUT_DIR = Path("engine/spec/default_inputs")
-H200_VALIDATION = Path("bench/results/simulator-validation-h200.json")
-H200_SHAPES = Path("bench/results/h200-2026-12-01-shapes.json")
 
 
 def _commit() -> str:
@@ -110,13 +110,28 @@ def measure_cpu(args: argparse.Namespace) -> None:
 def _measure_cpu_stats(
     args: argparse.Namespace, prompts: list[list[int]], source: dict[str, Any]
 ) -> None:
+    _measure_full_tree_stats(
+        args.model, prompts, args.max_tokens, {"device": "cpu", "dtype": "float32"}, source,
+        args.out_dir / "cpu-demo-greedy-stats.json", excluded="the benchmark's first 8",
+    )  # fmt: skip
+
+
+def _measure_full_tree_stats(
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    load: dict[str, str],
+    source: dict[str, Any],
+    path: Path,
+    excluded: str,
+) -> None:
+    """Greedy acceptance per depth and rank of a full top-4, depth-8 tree (every candidate kept,
+    no cut) over ``prompts`` in one batch, written to ``path``."""
     from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
     from engine.simulator import AcceptanceStats
     from engine.spec.drafter import TreeBudget
 
-    load = {"device": "cpu", "dtype": "float32"}
-
-    # Acceptance: a full top-4 tree, depth 8: 4 + 7 * 16 candidates, all kept, no cut.
+    # A full top-4 tree, depth 8: 4 + 7 * 16 candidates, all kept, no cut.
     topk, depth = 4, 8
     full = TreeBudget(topk=topk, depth=depth, num_draft_tokens=topk + (depth - 1) * topk * topk)
     spec = SpecConfig(
@@ -127,27 +142,27 @@ def _measure_cpu_stats(
         min_path_prob=0.0,
     )
     wide = LLMEngine.from_pretrained(
-        args.model,
+        model,
         spec=spec,
         engine_config=EngineConfig(max_batch_size=len(prompts)),
         **load,  # type: ignore[arg-type]
     )
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     wide.generate(prompts, sp)
     snapshot = wide.acceptance_snapshot()
     stats = AcceptanceStats.from_dict(snapshot)
     print(f"acceptance ({time.perf_counter() - start:.1f}s): {snapshot}")
     _write(
-        args.out_dir / "cpu-demo-greedy-stats.json",
+        path,
         {
             "source": {
                 **source,
                 "loadavg_after": list(os.getloadavg()),
                 "what": f"greedy acceptance per depth and rank: full EAGLE-2 tree top-{topk}, "
                 f"depth {depth}, all {full.num_draft_tokens} candidates kept, min_path_prob 0; "
-                f"{len(prompts)} held-out prompts of 64 tokens (not the benchmark's first 8), "
-                f"{args.max_tokens} new tokens each, EOS ignored, one batch",
+                f"{len(prompts)} held-out prompts of 64 tokens (not {excluded}), "
+                f"{max_tokens} new tokens each, EOS ignored, one batch",
             },
             **snapshot,
             "rank_accept": [list(row) for row in stats.rank_accept],
@@ -292,54 +307,86 @@ def _nonnegative_lstsq(rows: list[tuple[float, float]], values: list[float]) -> 
     return float(a), float(b)
 
 
-# ---- H200: extracted from bench/results ---------------------------------------------------
+# ---- H200: measured there (acceptance), extracted from a benchmark's JSON (latency) ----------
 
 
-def extract_h200(args: argparse.Namespace) -> None:
-    from engine.simulator import AcceptanceStats
+def measure_gpu_stats(args: argparse.Namespace) -> None:
+    """Acceptance of the ``gpu`` preset on a CUDA device (run on the H200 with the model the
+    benchmark trains): a full top-4, depth-8 tree, greedy, bf16, on held-out prompts none of
+    the benchmark's sweep uses (its first ``--exclude``)."""
+    import torch
 
-    validation = json.loads(H200_VALIDATION.read_text())
-    counts = validation["runs"]["T=0.0"]["stats"]
-    keep = sum(1 for n in counts["depth_reached"] if n >= args.min_reached)
-    trimmed = {
-        "num_steps": counts["num_steps"],
-        "depth_reached": counts["depth_reached"][:keep],
-        "depth_rank_accepted": counts["depth_rank_accepted"][:keep],
+    from engine import LLMEngine, SpecConfig
+    from train.heldout import heldout_prompts
+
+    load = {"device": args.device, "dtype": args.dtype}
+    probe = LLMEngine.from_pretrained(args.model, spec=SpecConfig(method="none"), **load)  # type: ignore[arg-type]
+    pool = heldout_prompts(args.model, probe.tokenizer, args.exclude + args.prompts, prompt_tokens=64)  # type: ignore[arg-type]
+    del probe
+    training = Path(args.model) / "training_log.json"
+    source = {
+        "script": f"scripts/default_tree_inputs.py gpu-stats --model {args.model} "
+        f"--prompts {args.prompts} --exclude {args.exclude} --max-tokens {args.max_tokens}",
+        "model": args.model,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
+        "dtype": args.dtype,
+        "commit": args.commit or _commit(),
+        "date": datetime.date.today().isoformat(),
+        "loadavg_before": list(os.getloadavg()),
+        "training": _training_summary(training),
     }
-    stats = AcceptanceStats.from_dict(trimmed)
-    _write(
+    _measure_full_tree_stats(
+        args.model, pool[args.exclude :], args.max_tokens, load, source,
         args.out_dir / "h200-gpu-greedy-stats.json",
-        {
-            "source": {
-                "script": "scripts/default_tree_inputs.py h200",
-                "from": f"{H200_VALIDATION}: runs['T=0.0'].stats",
-                "what": "greedy acceptance per depth and rank of the gpu preset on an H200 "
-                "(bfloat16, top-3 tree of 16 nodes, 4 held-out prompts); depths reached by fewer "
-                f"than {args.min_reached} accepted nodes dropped (deeper depths reuse the last kept "
-                "one)",
-                "dropped_depth_reached": counts["depth_reached"][keep:],
-                "dropped_depth_rank_accepted": counts["depth_rank_accepted"][keep:],
-            },
-            **trimmed,
-            "rank_accept": [list(row) for row in stats.rank_accept],
-        },
-    )
+        excluded=f"the first {args.exclude}, which the benchmark's sweep uses",
+    )  # fmt: skip
 
-    shapes = json.loads(H200_SHAPES.read_text())
+
+def _training_summary(path: Path) -> dict[str, Any] | None:
+    """What a model folder's ``training_log.json`` says of how far it was trained."""
+    if not path.exists():
+        return None
+    log = json.loads(path.read_text())
+    return {key: log.get(key) for key in ("epochs", "timings_s", "final_heldout")}
+
+
+def extract_h200_latency(args: argparse.Namespace) -> None:
+    """The H200 latency model at batch 1 from a benchmark JSON of fixed shapes (``mtpserve bench
+    offline --batch-sizes 1 --temperatures 0 --modes chain,tree --tree-budgets K1xD1-N1,...``):
+    each speculative shape's graphed greedy step costs ``fixed + per_token * tokens + per_depth *
+    depth`` (non-negative least squares over the shapes), the autoregressive step is verify(1,
+    1)."""
+    import numpy as np
+
+    shapes = json.loads(args.shapes.read_text())
     rows = {
         r["label"]: r
         for r in shapes["runs"]
         if r["batch_size"] == 1 and r["temperature"] == 0.0 and r["mode"] in ("ar", "chain", "tree")
     }
-    # (tokens verified, drafted depths, step seconds) of the three speculative shapes
-    shape_of = {"chain": (4, 4), "tree-32": (32, 6), "tree-4x8-40": (40, 8)}
-    points = [(n + 1, d, rows[label]["step_ms"] / 1e3) for label, (n, d) in shape_of.items()]
-    (t1, d1, s1), (t2, d2, s2), (t3, d3, s3) = points
-    # s = fixed + per_token * t + per_depth * d, three equations, three unknowns
-    det = (t2 - t1) * (d3 - d2) - (t3 - t2) * (d2 - d1)
-    per_token = ((s2 - s1) * (d3 - d2) - (s3 - s2) * (d2 - d1)) / det
-    per_depth = ((t2 - t1) * (s3 - s2) - (t3 - t2) * (s2 - s1)) / det
-    fixed = s1 - per_token * t1 - per_depth * d1
+    from engine.spec.defaults import CHAIN_DEPTH
+
+    def tokens_depth(label: str) -> tuple[int, int]:  # (tokens verified, depths drafted)
+        if label == "chain":
+            return CHAIN_DEPTH + 1, CHAIN_DEPTH
+        _, depth, nodes = _parse(label.removeprefix("tree-"))
+        return nodes + 1, depth
+
+    labels = sorted(label for label in rows if label != "ar")
+    points = [(*tokens_depth(label), rows[label]["step_ms"] / 1e3) for label in labels]
+    if len({(t, d) for t, d, _ in points}) < 3:
+        raise ValueError(f"{args.shapes}: need 3 speculative shapes at batch 1, T=0; have {labels}")
+    x = np.array([[1.0, t, d] for t, d, _ in points])  # [shapes, 3]
+    y = np.array([s for _, _, s in points])  # [shapes]
+    fixed, per_token, per_depth = (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0])
+    if min(fixed, per_token, per_depth) < 0:  # per_token is ~0 on the H200 (latency-bound GEMMs)
+        per_token = 0.0
+        fixed, per_depth = _nonnegative_lstsq([(1.0, float(d)) for _, d, _ in points], list(y))
+    fit_error = {
+        label: (fixed + per_token * t + per_depth * d - s) / s
+        for label, (t, d, s) in zip(labels, points, strict=True)
+    }
+    print("fit error per shape: " + ", ".join(f"{k} {v:+.1%}" for k, v in fit_error.items()))
     ar = rows["ar"]["step_ms"] / 1e3
     verify = [{"batch_size": 1, "tokens": 1, "seconds": ar}] + [
         {"batch_size": 1, "tokens": t, "seconds": fixed + per_token * t} for t in (2, 8, 16, 33, 64)
@@ -348,15 +395,19 @@ def extract_h200(args: argparse.Namespace) -> None:
         args.out_dir / "h200-gpu-latency.json",
         {
             "source": {
-                "script": "scripts/default_tree_inputs.py h200",
-                "from": f"{H200_SHAPES}: step_ms of ar, chain, tree-32, tree-4x8-40 at batch 1, "
-                "T=0 (graphed greedy steps, bfloat16, commit " + shapes["commit"] + ")",
+                "script": f"scripts/default_tree_inputs.py h200-latency --shapes {args.shapes}",
+                "from": f"{args.shapes}: step_ms of ar, "
+                + ", ".join(labels)
+                + " at batch 1, T=0 (graphed greedy steps, bfloat16, commit "
+                + shapes["commit"]
+                + ")",
                 "what": "whole graphed steps: verify(1, 1) is the autoregressive step; a "
                 "speculative step of t tokens and d depths costs fixed + per_token * t + "
-                "per_depth * d, solved from chain (5 tokens, 4 depths), 4x6-32 and 4x8-40; "
-                "verify(1, t >= 2) holds fixed + per_token * t, draft_per_depth per_depth",
-                "step_ms": {label: rows[label]["step_ms"] for label in ("ar", *shape_of)},
+                "per_depth * d (least squares over the shapes, non-negative); verify(1, t >= 2) "
+                "holds fixed + per_token * t, draft_per_depth per_depth",
+                "step_ms": {label: rows[label]["step_ms"] for label in ("ar", *labels)},
                 "fit": {"fixed": fixed, "per_token": per_token, "per_depth": per_depth},
+                "fit_relative_error": fit_error,
             },
             "verify": verify,
             "draft_per_depth": {"fixed": per_depth, "per_token": 0.0},
@@ -378,11 +429,22 @@ def main() -> None:
     cpu.add_argument("--threads", type=int, default=2)
     cpu.add_argument("--part", choices=("stats", "latency", "all"), default="all")
     cpu.add_argument("--out-dir", type=Path, default=OUT_DIR)
-    h200 = sub.add_parser("h200", help="extract the H200 inputs from bench/results")
-    h200.add_argument("--min-reached", type=int, default=30)
-    h200.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    gpu = sub.add_parser("gpu-stats", help="measure the gpu preset's acceptance on a CUDA device")
+    gpu.add_argument("--model", required=True, help="the gpu preset's folder")
+    gpu.add_argument("--prompts", type=int, default=32)
+    gpu.add_argument("--exclude", type=int, default=256, help="held-out prompts the sweep uses")
+    gpu.add_argument("--max-tokens", type=int, default=128)
+    gpu.add_argument("--commit", default=None, help="commit of the code measured (default: HEAD)")
+    gpu.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
+    gpu.add_argument("--dtype", default="bfloat16")
+    gpu.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    lat = sub.add_parser("h200-latency", help="fit the H200 latency model to a benchmark JSON")
+    lat.add_argument("--shapes", type=Path, required=True, help="bench offline JSON, batch 1")
+    lat.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = ap.parse_args()
-    measure_cpu(args) if args.target == "cpu" else extract_h200(args)
+    {"cpu": measure_cpu, "gpu-stats": measure_gpu_stats, "h200-latency": extract_h200_latency}[
+        args.target
+    ](args)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@
 # SAVE_TRITON_CACHE (set: this run's Triton cache is packed into RESULTS_DIR/triton-cache.tar.gz
 # when it packs to at most TRITON_CACHE_MAX_MB, default 8: the device tool carries 64 MiB with
 # the repository; one more file among the 8 it brings back),
+# TREE_STATS (set: before the sweep, scripts/default_tree_inputs.py gpu-stats measures the trained
+# model's greedy acceptance per depth and rank with a full top-4, depth-8 tree on 32 held-out
+# prompts the sweep does not use, into RESULTS_DIR/h200-gpu-greedy-stats.json: the input of
+# the GPU default tree, engine/spec/defaults.py),
 # MTPSERVE_COMMIT (recorded as the commit; set it where the copy has no .git or a stale one, as
 # on the device tool's machines, whose .git is not the checkout's).
 set -euo pipefail
@@ -93,6 +97,13 @@ gpu_tests() {  # $1: seconds allowed
 }
 if [ "${GPU_TESTS:-1}" = 1 ]; then
     gpu_tests 180
+fi
+if [ -n "${TREE_STATS:-}" ]; then
+    echo "== acceptance per depth and rank of a full top-4, depth-8 tree"
+    timeout 240 "$PY" scripts/default_tree_inputs.py gpu-stats --model "$MODEL" --out-dir "$OUT" \
+        ${MTPSERVE_COMMIT:+--commit "$MTPSERVE_COMMIT"} > "$OUT/tree-stats.log" 2>&1 \
+        || echo "== tree statistics exited with status $?"
+    tail -2 "$OUT/tree-stats.log"
 fi
 ELAPSED=$(( $(date +%s) - START ))
 # The limit counts from the start of the sweep (model load and float32 check included); leave
