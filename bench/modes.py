@@ -33,17 +33,24 @@ def _tree_mode(budget: int | str) -> ModeSpec:
     if isinstance(budget, int) or budget.isdigit():
         b = int(budget)
         return ModeSpec("tree", f"tree-{b}" if b else "tree", SpecConfig(method="tree", num_draft_tokens=b or None))
+    return ModeSpec("tree", f"tree-{budget}", _shape_spec("tree", budget))
+
+
+def _shape_spec(method: str, budget: str) -> SpecConfig:
+    """``"4x8-40"`` -> a ``method`` config of topk 4, depth 8, 40 draft tokens."""
     try:
         width, rest = budget.split("x")
         depth, tokens = rest.split("-")
-        spec = SpecConfig(method="tree", topk=int(width), depth=int(depth), num_draft_tokens=int(tokens))
+        return SpecConfig(method=method, topk=int(width), depth=int(depth), num_draft_tokens=int(tokens))  # type: ignore[arg-type]
     except ValueError as exc:
         raise ValueError(f"tree budget {budget!r}: expected N or TOPKxDEPTH-N, e.g. 32 or 4x8-40") from exc
-    return ModeSpec("tree", f"tree-{budget}", spec)
 
 
-def build_modes(modes: list[str], tree_budgets: list[int | str]) -> list[ModeSpec]:
-    """Mode specs in run order; ``ar`` first since every other mode is compared with it."""
+def build_modes(
+    modes: list[str], tree_budgets: list[int | str], adaptive_tree: str | None = None
+) -> list[ModeSpec]:
+    """Mode specs in run order; ``ar`` first since every other mode is compared with it.
+    ``adaptive_tree`` (``TOPKxDEPTH-N``): the adaptive mode's tree arm instead of the default."""
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {list(ALL_MODES)}")
@@ -55,7 +62,8 @@ def build_modes(modes: list[str], tree_budgets: list[int | str]) -> list[ModeSpe
             for b in tree_budgets or [0]:  # 0: the device default shape
                 out.append(_tree_mode(b))
         elif mode == "adaptive":
-            out.append(ModeSpec("adaptive", "adaptive", SpecConfig(method="adaptive")))
+            spec = _shape_spec("adaptive", adaptive_tree) if adaptive_tree else SpecConfig(method="adaptive")
+            out.append(ModeSpec("adaptive", "adaptive", spec))
         elif mode in HF_MODES:
             out.append(ModeSpec(mode, mode))
     return out

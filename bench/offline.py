@@ -45,10 +45,13 @@ class OfflineSettings:
     max_new_tokens: int = 64
     prompt_tokens: int = 64
     num_prompts: int | None = None  # None: the largest batch size
+    # Held-out prompts skipped first: a run on prompts a default sweep (up to 256) does not use.
+    prompt_offset: int = 0
     modes: list[str] = field(default_factory=lambda: ["chain", "tree", "adaptive", "transformers",
                                                       "transformers-mtp"])
     # Draft tokens (default shape) or TOPKxDEPTH-N shapes per tree mode; empty: the default tree.
     tree_budgets: list[int | str] = field(default_factory=list)
+    adaptive_tree: str | None = None  # TOPKxDEPTH-N: the adaptive mode's tree arm (None: default)
     repeats: int = 3
     # Small batches run more rounds, so that every point decodes at least this many prompts (a
     # batch-1 point of 3 rounds measures 3 prompts' acceptance, a batch-16 point 48).
@@ -212,8 +215,9 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
                      s.kv_memory_mb, s.overlap_steps, s.prefill_chunk_tokens)
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
-                                   s.num_prompts or max_batch, s.prompt_tokens)
-    modes = build_modes(s.modes, s.tree_budgets)
+                                   s.prompt_offset + (s.num_prompts or max_batch), s.prompt_tokens)
+    prompts = prompts[s.prompt_offset :]
+    modes = build_modes(s.modes, s.tree_budgets, s.adaptive_tree)
     contenders, skipped = build_contenders(s.model, base, modes, parse_dtype(s.dtype))
     # Progress in the log, so that a run cut off by its time limit shows which stage it was in.
     for c in contenders:

@@ -136,7 +136,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
            f"end {doc.get('loadavg_end')}"]
     if runs:
         out += [f"- prompts: {doc.get('num_prompts')} × {s.get('prompt_tokens')} tokens, "
-                f"**{doc.get('prompts')}**; {s.get('max_new_tokens')} new tokens (EOS ignored); "
+                f"**{doc.get('prompts')}**"
+                + (f" (after the first {s['prompt_offset']})" if s.get("prompt_offset") else "")
+                + f"; {s.get('max_new_tokens')} new tokens (EOS ignored); "
                 f"dtype {s.get('dtype')}; {s.get('repeats')} timed repeats after a warm-up, "
                 "median (min–max); modes alternate within each round"
                 + (f"; each run after {s['spin_ms']:g} ms of GPU matrix products (boost clock)"
@@ -144,7 +146,8 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
                 + ("; steps launched ahead of their host work (overlap on), the baseline's too"
                    if s.get("overlap_steps") else "")
                 + (f"; prompts prefilled {s['prefill_chunk_tokens']} tokens per step"
-                   if s.get("prefill_chunk_tokens") else ""),
+                   if s.get("prefill_chunk_tokens") else "")
+                + (f"; adaptive's tree arm {s['adaptive_tree']}" if s.get("adaptive_tree") else ""),
                 f"- speedup vs ar is paired per round; tokens/s counts prefill; TPOT is per sequence "
                 f"after its first token; wall time {doc.get('wall_s')} s",
                 ""]

@@ -53,6 +53,9 @@
 # SAVE_TRITON_CACHE (set: this run's Triton cache is packed into RESULTS_DIR/triton-cache.tar.gz
 # when it packs to at most TRITON_CACHE_MAX_MB, default 8: the device tool carries 64 MiB with
 # the repository; one more file among the 8 it brings back),
+# NUM_PROMPTS, PROMPT_OFFSET (held-out prompts of the sweep and how many are skipped first: 256
+# runs on prompts no default sweep uses), ADAPTIVE_TREE (TOPKxDEPTH-N: the adaptive mode's tree
+# arm instead of the default tree),
 # TREE_STATS (set: before the sweep, scripts/default_tree_inputs.py gpu-stats measures the trained
 # model's greedy acceptance per depth and rank with a full top-4, depth-8 tree on 32 held-out
 # prompts the sweep does not use, into RESULTS_DIR/h200-gpu-greedy-stats.json: the input of
@@ -126,6 +129,8 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     --max-new-tokens "${MAX_NEW_TOKENS:-64}" --prompt-tokens 64 \
     --modes "${MODES:-chain,tree,adaptive,transformers,transformers-mtp}" \
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" \
+    ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --prompt-offset "${PROMPT_OFFSET:-0}" \
+    ${ADAPTIVE_TREE:+--adaptive-tree "$ADAPTIVE_TREE"} \
     --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
     --spin-ms "${SPIN_MS:-50}" --overlap-steps "${OVERLAP_STEPS:-auto}" \
     ${PREFILL_CHUNK:+--prefill-chunk-tokens "$PREFILL_CHUNK"} \

@@ -26,3 +26,12 @@ def test_unknown_mode_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown modes"):
         build_modes(["tree", "medusa"], [])
 
+
+
+def test_adaptive_tree_arm_takes_an_explicit_shape() -> None:
+    default, shaped = (build_modes(["adaptive"], [], tree)[1].spec for tree in (None, "4x4-32"))
+    assert default is not None and default.method == "adaptive" and default.depth is None
+    assert shaped is not None and shaped.method == "adaptive"
+    assert (shaped.topk, shaped.depth, shaped.num_draft_tokens) == (4, 4, 32)
+    with pytest.raises(ValueError, match="TOPKxDEPTH-N"):
+        build_modes(["adaptive"], [], "4x4")
