@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--temperatures", type=_floats, default=[0.0, 0.7])
     off.add_argument("--max-new-tokens", type=int, default=64)
     off.add_argument("--prompt-tokens", type=int, default=64)
-    off.add_argument("--num-prompts", type=int, default=None, help="default: the largest batch")
+    off.add_argument("--num-prompts", type=int, default=None, help="default: the largest batch, or --min-sequences if more")
     off.add_argument("--prompt-offset", type=int, default=0,
                      help="held-out prompts skipped first (256: none a default GPU sweep uses)")
     off.add_argument("--modes", type=_strs,

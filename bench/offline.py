@@ -44,7 +44,9 @@ class OfflineSettings:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
     max_new_tokens: int = 64
     prompt_tokens: int = 64
-    num_prompts: int | None = None  # None: the largest batch size
+    # None: the largest batch size, or min_sequences if more (a batch-1-only run with
+    # min_sequences 16 decodes 16 prompts, not one prompt 16 times)
+    num_prompts: int | None = None
     # Held-out prompts skipped first: a run on prompts a default sweep (up to 256) does not use.
     prompt_offset: int = 0
     modes: list[str] = field(default_factory=lambda: ["chain", "tree", "adaptive", "transformers",
@@ -215,7 +217,8 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
                      s.kv_memory_mb, s.overlap_steps, s.prefill_chunk_tokens)
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
-                                   s.prompt_offset + (s.num_prompts or max_batch), s.prompt_tokens)
+                                   s.prompt_offset + (s.num_prompts or max(max_batch, s.min_sequences)),
+                                   s.prompt_tokens)
     prompts = prompts[s.prompt_offset :]
     modes = build_modes(s.modes, s.tree_budgets, s.adaptive_tree)
     contenders, skipped = build_contenders(s.model, base, modes, parse_dtype(s.dtype))

@@ -24,12 +24,19 @@ the default budget also fixes the sampled trees' shape, and as a chain it accept
 per step at T=1.0 against 3.30 (the demo model's goal is >= 3.0), so the shipped inputs and this
 default stay.
 
-GPU (gpu preset, H200, graphed greedy step): a verify step costs about the same for tens of
-tokens, so the tree is wide; each depth costs ~0.17 ms of a ~1.1 ms step, so 6 deep (the model
-also ranks 4x6-32 above 4x8-40, as the H200 did at every batch size). The optimiser asks for 3
-children at most because the H200 counters come from a top-3 tree; the graphed drafter keeps the
-top-4 frontier it was measured with. 32 nodes is ``max_budget``: the predicted speed is within
-0.4% from 32 to 48 nodes, and 32 is the largest depth-6 tree measured there.
+GPU (gpu preset, H200, graphed greedy step; inputs of session 34): the acceptance of a full
+top-4, depth-8 tree over 32 held-out prompts no sweep uses (640 steps), and whole graphed steps
+of five fixed trees and the chain at batch 1 on the first 16 of them, fitted as 0.73 ms + 2.1
+us per verified token + 82 us per drafted depth. A verify step costs about the same for tens
+of tokens, so the tree is wide; the optimiser picks 4x6-32 (4x8-40 is 1.8% slower in the
+model, 4x4-32 4.3%). Measured on those 16 prompts the trees 4x4-24 to 4x6-32 ran 2.39-2.47x
+faster than autoregressive decoding, the same within the rounds' spread (``bench/results/h200-2026-12-04-session34-d515032-b1-shapes-offset256``):
+depth 4 accepts fewer tokens per step (4.65 against 5.08 for 4x4-48 and 4x6-32) at a cheaper
+step, a wash. 32 nodes is ``max_budget``: the model predicts 2.5% more at 48 nodes, less than the
+spread between rounds of the measured shapes.
+The chain arm (``CHAIN_DEPTH``) serves large batches, where each drafted depth costs more than
+at batch 1 (chain-4 2.4 against 1.5 ms for an autoregressive step at batch 256): it is 4 deep,
+one less than the optimiser's best chain at batch 1 (5 deep, 1.4% faster in the model).
 
 ``min_path_prob`` (EAGLE-2's confidence cut on greedy host-driven trees) is not the optimiser's:
 it models fixed shapes; the cut was chosen by measurement.
@@ -48,10 +55,9 @@ from engine.spec.drafter import TreeBudget
 # Derived (module docstring); DERIVATIONS holds the inputs and limits they come from.
 CPU_MIN_PATH_PROB = 0.15
 CPU_TREE = TreeBudget(topk=2, depth=5, num_draft_tokens=7, min_path_prob=CPU_MIN_PATH_PROB)
-# Depth and size derived; topk 4 as measured on the H200 (the inputs hold 3 ranks). Full trees
-# (no confidence cut) keep CUDA graphs usable.
+# Derived (module docstring). Full trees (no confidence cut) keep CUDA graphs usable.
 GPU_TREE = TreeBudget(topk=4, depth=6, num_draft_tokens=32)
-CHAIN_DEPTH = 4  # the optimiser's best chain on the H200 inputs (test_defaults_derivation)
+CHAIN_DEPTH = 4  # the graphed chain arm, for large batches (module docstring)
 
 DEFAULT_INPUTS = Path(__file__).with_name("default_inputs")
 
@@ -115,7 +121,7 @@ DERIVATIONS = {
         "h200-gpu-latency.json",
         max_budget=32,
         max_depth=8,
-        max_width=3,
+        max_width=4,
     ),
 }
 

@@ -197,3 +197,16 @@ def test_prompt_offset_and_adaptive_tree_are_run_and_said(dense_model_dir: Path,
     assert {r["label"] for r in doc["runs"] if not r["skipped"]} == {"ar", "adaptive"}
     md = out.with_suffix(".md").read_text()
     assert "(after the first 5)" in md and "adaptive's tree arm 2x2-3" in md
+
+
+def test_a_batch_1_run_decodes_min_sequences_distinct_prompts(dense_model_dir: Path, tmp_path: Path) -> None:
+    """Without --num-prompts the pool holds max(largest batch, --min-sequences) prompts, so the
+    rounds of a batch-1-only run decode different prompts, not one prompt again and again."""
+    out = tmp_path / "b1.json"
+    rc = main(["offline", "--model", str(dense_model_dir), "--device", "cpu", "--out", str(out),
+               "--batch-sizes", "1", "--temperatures", "0", "--max-new-tokens", "3",
+               "--prompt-tokens", "8", "--repeats", "1", "--min-sequences", "3", "--warmup-tokens", "2",
+               "--modes", "chain", "--check-dtype", "none", "--no-progress", "--no-report"])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["num_prompts"] == 3
+    assert {r["repeats"] for r in doc["runs"] if not r["skipped"]} == {3}

@@ -26,22 +26,22 @@ def test_cpu_default_is_the_optimisers_choice_on_the_shipped_inputs() -> None:
     assert DERIVATIONS["cpu"].derive() == CPU_TREE
 
 
-def test_gpu_default_depth_and_size_are_the_optimisers_choice_on_the_h200_inputs() -> None:
-    derived = DERIVATIONS["cuda"].derive()
-    assert (derived.depth, derived.num_draft_tokens) == (GPU_TREE.depth, GPU_TREE.num_draft_tokens)
-    # The H200 counters come from a top-3 tree: the optimiser never sees a 4th rank, so it can only
-    # ask for at most 3 children; the graphed drafter keeps the top-4 frontier measured on the H200.
-    assert derived.topk <= GPU_TREE.topk
-    assert derived.min_path_prob == GPU_TREE.min_path_prob == 0.0
+def test_gpu_default_is_the_optimisers_choice_on_the_h200_inputs() -> None:
+    assert DERIVATIONS["cuda"].derive() == GPU_TREE
 
 
-def test_gpu_chain_arm_is_the_optimisers_best_chain_on_the_h200_inputs() -> None:
-    """Adaptive speculation's chain arm on the graphed path (``CHAIN_DEPTH``) is the chain the
-    optimiser picks at batch 1 when it may use one child per node."""
+def test_gpu_chain_arm_is_one_depth_short_of_the_optimisers_best_chain_and_nearly_as_fast() -> None:
+    """Adaptive speculation's chain arm on the graphed path (``CHAIN_DEPTH``) serves large
+    batches, where a drafted depth costs more than at batch 1: it is one depth shorter than the
+    chain the optimiser picks at batch 1, and within 2% of its predicted speed there."""
     d = DERIVATIONS["cuda"]
     stats, latency = d.inputs()
-    chain = derive_default_budget(stats, latency, 1, d.max_budget, d.max_depth, max_width=1)
-    assert (chain.topk, chain.depth) == (1, CHAIN_DEPTH)
+    best = derive_default_budget(stats, latency, 1, d.max_budget, d.max_depth, max_width=1)
+    assert (best.topk, best.depth) == (1, CHAIN_DEPTH + 1)
+    chain = optimal_tree(stats, CHAIN_DEPTH, max_depth=CHAIN_DEPTH, max_width=1)
+    deeper = optimal_tree(stats, best.depth, max_depth=best.depth, max_width=1)
+    ratio = estimate(chain, stats, latency, 1).speedup / estimate(deeper, stats, latency, 1).speedup
+    assert 0.98 < ratio < 1.0
 
 
 def _fixed(spec: str, stats: AcceptanceStats) -> TreeShape:
@@ -52,7 +52,9 @@ def _fixed(spec: str, stats: AcceptanceStats) -> TreeShape:
 
 
 def test_h200_inputs_rank_the_measured_shapes_as_the_h200_did() -> None:
-    """bench/results/h200-2026-12-01-shapes.md: 4x6-32 beat 4x8-40 and the chain at batch 1."""
+    """The order the optimiser plans with: 4x6-32 above 4x8-40 above the chain at batch 1, as the
+    H200 measured it (bench/results/h200-2026-12-01-shapes.md) and again,
+    tree against chain, on the 16 prompts of session 34's shapes."""
     stats, latency = DERIVATIONS["cuda"].inputs()
     speed = {
         s: estimate(_fixed(s, stats), stats, latency, 1).speedup
