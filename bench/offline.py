@@ -217,9 +217,8 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
                      s.kv_memory_mb, s.overlap_steps, s.prefill_chunk_tokens)
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
-                                   s.prompt_offset + (s.num_prompts or max(max_batch, s.min_sequences)),
-                                   s.prompt_tokens)
-    prompts = prompts[s.prompt_offset :]
+                                   s.num_prompts or max(max_batch, s.min_sequences), s.prompt_tokens,
+                                   skip=s.prompt_offset)
     modes = build_modes(s.modes, s.tree_budgets, s.adaptive_tree)
     contenders, skipped = build_contenders(s.model, base, modes, parse_dtype(s.dtype))
     # Progress in the log, so that a run cut off by its time limit shows which stage it was in.

@@ -31,15 +31,18 @@ def synthetic_prompts(vocab_size: int, count: int, prompt_tokens: int, seed: int
 
 
 def load_prompts(
-    model_dir: str | Path, tokenizer: object | None, vocab_size: int, count: int, prompt_tokens: int
+    model_dir: str | Path, tokenizer: object | None, vocab_size: int, count: int, prompt_tokens: int,
+    skip: int = 0,
 ) -> tuple[list[list[int]], str]:
-    """``count`` prompts and where they came from (``"heldout"`` or ``"synthetic"``)."""
+    """``count`` prompts after the first ``skip`` and where they came from (``"heldout"`` or
+    ``"synthetic"``)."""
     folder = Path(model_dir)
     if tokenizer is not None and (folder / "corpus_manifest.json").is_file():
         from train.heldout import heldout_prompts
 
-        return heldout_prompts(folder, tokenizer, count, prompt_tokens=prompt_tokens), "heldout"  # type: ignore[arg-type]
-    return synthetic_prompts(vocab_size, count, prompt_tokens), "synthetic"
+        found = heldout_prompts(folder, tokenizer, skip + count, prompt_tokens=prompt_tokens)  # type: ignore[arg-type]
+        return found[skip:], "heldout"
+    return synthetic_prompts(vocab_size, skip + count, prompt_tokens)[skip:], "synthetic"
 
 
 def batch_of(prompts: list[list[int]], batch_size: int) -> list[list[int]]:

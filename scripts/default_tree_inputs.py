@@ -80,14 +80,13 @@ def _steady_step_seconds(eng: Any, prompt: list[int], sp: Any) -> list[float]:
 def measure_cpu(args: argparse.Namespace) -> None:
     import torch
 
-    from engine import LLMEngine, SpecConfig
     from train.heldout import heldout_prompts
+    from train.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
-    load = {"device": "cpu", "dtype": "float32"}
-    probe = LLMEngine.from_pretrained(args.model, spec=SpecConfig(method="none"), **load)  # type: ignore[arg-type]
-    bench_prompts = heldout_prompts(args.model, probe.tokenizer, 8, prompt_tokens=64)  # type: ignore[arg-type]
-    pool = heldout_prompts(args.model, probe.tokenizer, args.prompts + 16, prompt_tokens=64)  # type: ignore[arg-type]
+    tokenizer = load_tokenizer(Path(args.model))
+    bench_prompts = heldout_prompts(args.model, tokenizer, 8, prompt_tokens=64)
+    pool = heldout_prompts(args.model, tokenizer, args.prompts + 16, prompt_tokens=64)
     prompts = [p for p in pool if p not in bench_prompts][: args.prompts]
     load_before = os.getloadavg()
     source = {
@@ -102,18 +101,12 @@ def measure_cpu(args: argparse.Namespace) -> None:
         "loadavg_before": list(load_before),
     }
     if args.part in ("stats", "all"):
-        _measure_cpu_stats(args, prompts, source)
+        _measure_full_tree_stats(
+            args.model, prompts, args.max_tokens, {"device": "cpu", "dtype": "float32"}, source,
+            args.out_dir / "cpu-demo-greedy-stats.json", excluded="the benchmark's first 8",
+        )  # fmt: skip
     if args.part in ("latency", "all"):
         _measure_cpu_latency(args, prompts, source)
-
-
-def _measure_cpu_stats(
-    args: argparse.Namespace, prompts: list[list[int]], source: dict[str, Any]
-) -> None:
-    _measure_full_tree_stats(
-        args.model, prompts, args.max_tokens, {"device": "cpu", "dtype": "float32"}, source,
-        args.out_dir / "cpu-demo-greedy-stats.json", excluded="the benchmark's first 8",
-    )  # fmt: skip
 
 
 def _measure_full_tree_stats(
@@ -316,13 +309,12 @@ def measure_gpu_stats(args: argparse.Namespace) -> None:
     the benchmark's sweep uses (its first ``--exclude``)."""
     import torch
 
-    from engine import LLMEngine, SpecConfig
     from train.heldout import heldout_prompts
+    from train.tokenizer import load_tokenizer
 
     load = {"device": args.device, "dtype": args.dtype}
-    probe = LLMEngine.from_pretrained(args.model, spec=SpecConfig(method="none"), **load)  # type: ignore[arg-type]
-    pool = heldout_prompts(args.model, probe.tokenizer, args.exclude + args.prompts, prompt_tokens=64)  # type: ignore[arg-type]
-    del probe
+    tokenizer = load_tokenizer(Path(args.model))
+    pool = heldout_prompts(args.model, tokenizer, args.exclude + args.prompts, prompt_tokens=64)
     training = Path(args.model) / "training_log.json"
     source = {
         "script": f"scripts/default_tree_inputs.py gpu-stats --model {args.model} "
@@ -358,13 +350,14 @@ def extract_h200_latency(args: argparse.Namespace) -> None:
     1)."""
     import numpy as np
 
+    from engine.spec.defaults import CHAIN_DEPTH
+
     shapes = json.loads(args.shapes.read_text())
     rows = {
         r["label"]: r
         for r in shapes["runs"]
         if r["batch_size"] == 1 and r["temperature"] == 0.0 and r["mode"] in ("ar", "chain", "tree")
     }
-    from engine.spec.defaults import CHAIN_DEPTH
 
     def tokens_depth(label: str) -> tuple[int, int]:  # (tokens verified, depths drafted)
         if label == "chain":
