@@ -505,6 +505,17 @@ class MeasuredArms:
                 # would pay its catch-up. From larger ones its step is cheaper here than the
                 # estimate, and so is its catch-up.
                 interval, share = float(self.explore_every), EXPLORE_SHARE_SOON
+            elif (arm == best and arm.speculates and not est.served and not chosen.speculates
+                    and self._switch_pays(arm, est, base_cost, batch_size, sampled, catch_up, drains,
+                                          tokens_left, calibration_trusted=True)):
+                # Its step only calibrated here and, taken as calibrated, a switch to it would
+                # pay: measured soon, so that its served cost decides, not the margin a
+                # calibration must clear. Else the margin keeps it from running and so from
+                # ever being served: the H200's batches 16-256 at T=0.7 decoded
+                # autoregressively for 630 steps each (0.95-0.99x) against a chain calibrated
+                # at 0.43-0.99 of their cost per token, which served at 32-256 in another run
+                # won 1.1-1.6x (session 35).
+                interval, share = float(self.explore_every), EXPLORE_SHARE_SOON
             else:  # what a run costs, in steps of the chosen arm, at the share it may take
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
                 steady = max(float(self.explore_every), RUN * est.step / (share * max(step, 1e-9)))
@@ -609,10 +620,13 @@ class MeasuredArms:
     def _switch_pays(
         self, arm: TreeBudget, est: _Estimate | None, base_cost: float | None, batch_size: int,
         sampled: bool, catch_up: float, drains: bool, tokens_left: float | None,
+        calibration_trusted: bool = False,
     ) -> bool:
         """Whether ``arm`` may be chosen over autoregressive decoding (``base_cost`` seconds per
         token) when a switch to it first catches up for ``catch_up`` seconds; ``drains``: the
-        batch only shrinks and its spread of yields is known."""
+        batch only shrinks and its spread of yields is known; ``calibration_trusted``: a cost
+        only calibrated is taken as it is (no ``CALIBRATED_MARGIN``, and the weighing is not
+        recorded): whether a run to measure it may find that it pays."""
         if not arm.speculates or (catch_up <= 0 and not drains):
             return True
         if est is None or base_cost is None:
@@ -625,7 +639,7 @@ class MeasuredArms:
         # clear the cost by a margin growing with the doublings it spans.
         target = batch_size.bit_length()
         margin = 1.0 if est.source >= target else 1.0 + EXTRAPOLATION_MARGIN * (target - est.source)
-        if not est.served:
+        if not est.served and not calibration_trusted:
             # A cost from start-up calibration alone: random prompts accept almost nothing,
             # so a served step's host work per accepted token is not in it (the H200's
             # chain at batch 256 ran 6.4 ms steps against 3.9 calibrated).
@@ -639,8 +653,10 @@ class MeasuredArms:
             drain = self._drain_seconds(est, batch_size, sampled, arm, tokens_left)  # type: ignore[arg-type]
         else:
             drain = DRAIN_STEPS * est.step
-        self.last_weighing = SwitchWeighing(arm, saving, catch_up, drain, margin)
-        return self.last_weighing.pays
+        weighing = SwitchWeighing(arm, saving, catch_up, drain, margin)
+        if not calibration_trusted:
+            self.last_weighing = weighing
+        return weighing.pays
 
     def _saving(
         self, new: _Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,

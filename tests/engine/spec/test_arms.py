@@ -769,3 +769,30 @@ def test_a_thin_yield_is_re_measured_at_a_large_batch_when_the_time_served_pays_
     for _ in range(300):
         arms.observe(64, False, NO_SPEC, 0.001, 64)
     assert arms.choose(64, False, [NO_SPEC, TREE], 0, tokens_left=64, closed=True) == TREE
+
+
+def test_a_drafting_arm_only_calibrated_is_run_where_as_calibrated_it_would_pay() -> None:
+    """A closed batch of 16 sampled requests (the H200's T=0.7 sweep, session 35): autoregressive
+    steps served at 0.76 ms, the chain calibrated at 1.43 ms for 3.3 tokens a sequence (0.027
+    against 0.048 ms per token), its yield known from batch 1, a spread of yields that makes the
+    drain dear. Weighed with the margin a cost only calibrated must clear, a switch never pays,
+    so the chain never ran, was never served, and the batch decoded autoregressively for all
+    its 630 steps (0.95-0.99x). Taken as calibrated it would pay: it is run within
+    ``explore_every`` steps, and served at its calibrated cost it is chosen from then on."""
+    arms = MeasuredArms(explore_every=16)
+    arms.seed_cost(16, True, NO_SPEC, 0.00076)
+    arms.seed_cost(16, True, CHAIN, 0.00143)
+    for _ in range(40):
+        arms.observe(1, True, CHAIN, 0.0016, 3)
+        arms.observe(1, True, NO_SPEC, 0.0009, 1)
+    arms.catch_up.calibrate([(64, 0.0004), (1024, 0.0015)])
+    for i in range(32):  # relative yields 0.6-1.5
+        arms.observe_finished(20 * (0.6 + 0.9 * i / 31), 20.0, 20)
+    chosen, lag = [], 16 * 64
+    for step in range(120):
+        arm = arms.choose(16, True, [NO_SPEC, CHAIN], lag, tokens_left=63 - step % 63, closed=True)
+        arms.observe(16, True, arm, *((0.00076, 16) if arm == NO_SPEC else (0.00143, 53)))
+        lag = lag + 16 if arm == NO_SPEC else 0
+        chosen.append(arm)
+    assert CHAIN in chosen[:20]
+    assert chosen[20:].count(CHAIN) >= 0.9 * len(chosen[20:])
