@@ -93,7 +93,6 @@ EXTRAPOLATION_MARGIN = 0.5  # per batch doubling an estimate is extrapolated ove
 FLOOR_RISE = 0.05  # EWMA weight of a dearer step in an arm's floor cost per token
 HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it is made afresh
 YIELD_PRIOR_SEQ_STEPS = 16.0  # sequence-steps of measurement the simulator's yield counts as
-CALIBRATED_MARGIN = 1.5  # a switch weighed on a drafting cost only calibrated must clear this
 FILL_REMEASURE = 32  # free filling choices of a bucket between runs of the filling arm not chosen
 # Sequence-steps of measured yield below which a drafting arm's yield is still being learnt: it
 # is re-run as soon as the time served since its last run pays for the run (``_relearn``).
@@ -179,7 +178,6 @@ class _Estimate:
     per_token: float  # seconds per emitted token
     measured: bool  # measured in this bucket (else extrapolated from another)
     source: int  # the nearest bucket it was measured in
-    served: bool = True  # its bucket's cost comes from steps served (else from calibration alone)
 
 
 class MeasuredArms:
@@ -385,7 +383,7 @@ class MeasuredArms:
         cost = None if own is None else own.costs.get(arm)
         if cost is not None and cost.count >= MIN_MEASURED:  # measured (or calibrated) here
             per_token = cost.seconds / (cost.rows * self.tokens_per_seq(sampled, arm, cost))
-            return _Estimate(cost.seconds, per_token, True, bucket, cost.served > 0)
+            return _Estimate(cost.seconds, per_token, True, bucket)
         found = sorted(
             ((abs(b - bucket), -b, b) for (b, s), bk in self._buckets.items()
              if s == sampled and (c := bk.costs.get(arm)) is not None and c.count >= MIN_MEASURED),
@@ -405,7 +403,7 @@ class MeasuredArms:
                 floor = cost.seconds * min(rows / cost.rows, 1.0)
                 step = max(cost.seconds + slope * (rows - cost.rows), floor)
         per_token = step / (rows * self.tokens_per_seq(sampled, arm, cost))
-        return _Estimate(step, per_token, False, found[0][2], cost.served > 0)
+        return _Estimate(step, per_token, False, found[0][2])
 
     # ------------------------------------------------------------------ choice
     def choose(
@@ -504,17 +502,6 @@ class MeasuredArms:
                 # Soon; extrapolated from smaller batches (an optimistic line), only if it
                 # would pay its catch-up. From larger ones its step is cheaper here than the
                 # estimate, and so is its catch-up.
-                interval, share = float(self.explore_every), EXPLORE_SHARE_SOON
-            elif (arm == best and arm.speculates and not est.served and not chosen.speculates
-                    and self._switch_pays(arm, est, base_cost, batch_size, sampled, catch_up, drains,
-                                          tokens_left, calibration_trusted=True)):
-                # Its step only calibrated here and, taken as calibrated, a switch to it would
-                # pay: measured soon, so that its served cost decides, not the margin a
-                # calibration must clear. Else the margin keeps it from running and so from
-                # ever being served: the H200's batches 16-256 at T=0.7 decoded
-                # autoregressively for 630 steps each (0.95-0.99x) against a chain calibrated
-                # at 0.43-0.99 of their cost per token, which served at 32-256 in another run
-                # won 1.1-1.6x (session 35).
                 interval, share = float(self.explore_every), EXPLORE_SHARE_SOON
             else:  # what a run costs, in steps of the chosen arm, at the share it may take
                 share = EXPLORE_SHARE if est.measured else EXPLORE_SHARE_NEW
@@ -620,13 +607,21 @@ class MeasuredArms:
     def _switch_pays(
         self, arm: TreeBudget, est: _Estimate | None, base_cost: float | None, batch_size: int,
         sampled: bool, catch_up: float, drains: bool, tokens_left: float | None,
-        calibration_trusted: bool = False,
     ) -> bool:
         """Whether ``arm`` may be chosen over autoregressive decoding (``base_cost`` seconds per
         token) when a switch to it first catches up for ``catch_up`` seconds; ``drains``: the
-        batch only shrinks and its spread of yields is known; ``calibration_trusted``: a cost
-        only calibrated is taken as it is (no ``CALIBRATED_MARGIN``, and the weighing is not
-        recorded): whether a run to measure it may find that it pays."""
+        batch only shrinks and its spread of yields is known.
+
+        A drafting cost only calibrated at start-up is taken as it is: a switch made on it
+        serves the arm's steps, whose measured cost decides from then on. Until session 34 a
+        calibrated cost had to clear a margin of 1.5 (the H200's chain at batch 256 once ran 6.4
+        ms steps against 3.9 calibrated; now 3.2 against 2.6, within 5% elsewhere), and the
+        margin kept the arm from ever running, so from ever being served: a closed batch that
+        decodes autoregressively is latched so (``LLMEngine._ar_latch``), and an exploring run
+        has to fit a share of the batch's horizon. The H200's batches 16-256 at T=0.7 decoded
+        autoregressively for 630 steps each (0.95-0.99x) against a chain calibrated at 0.43-0.73
+        of their cost per token, and batches 128 and 256 did so greedy in one sweep (0.94-0.95x)
+        and drafted in the next on the same model (1.12-1.20x, session 35)."""
         if not arm.speculates or (catch_up <= 0 and not drains):
             return True
         if est is None or base_cost is None:
@@ -639,11 +634,6 @@ class MeasuredArms:
         # clear the cost by a margin growing with the doublings it spans.
         target = batch_size.bit_length()
         margin = 1.0 if est.source >= target else 1.0 + EXTRAPOLATION_MARGIN * (target - est.source)
-        if not est.served and not calibration_trusted:
-            # A cost from start-up calibration alone: random prompts accept almost nothing,
-            # so a served step's host work per accepted token is not in it (the H200's
-            # chain at batch 256 ran 6.4 ms steps against 3.9 calibrated).
-            margin *= CALIBRATED_MARGIN
         saving = self._saving(est, base_cost, batch_size, sampled, arm, tokens_left)
         # Charged on top of the catch-up: under speculation the batch's sequences finish at
         # different steps, the last steps carrying few of them, which steady steps do not
@@ -653,10 +643,8 @@ class MeasuredArms:
             drain = self._drain_seconds(est, batch_size, sampled, arm, tokens_left)  # type: ignore[arg-type]
         else:
             drain = DRAIN_STEPS * est.step
-        weighing = SwitchWeighing(arm, saving, catch_up, drain, margin)
-        if not calibration_trusted:
-            self.last_weighing = weighing
-        return weighing.pays
+        self.last_weighing = SwitchWeighing(arm, saving, catch_up, drain, margin)
+        return self.last_weighing.pays
 
     def _saving(
         self, new: _Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,
