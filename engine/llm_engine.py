@@ -553,6 +553,9 @@ class LLMEngine:
         finally:
             self._stepping = False
             self._free_released()
+            if self._hidden_log and not (self._sessions or self.scheduler.num_running or self.scheduler.num_waiting):
+                # Idle, no session open: every logged row is a finished request's (``HiddenLog.clear``).
+                self._hidden_log.clear()
 
     def _step(self) -> list[RequestOutput]:
         self._steps_since_arrival += 1
@@ -895,13 +898,14 @@ class LLMEngine:
         if ahead and self._may_launch_ahead_autoregressive(seqs):
             self._ahead = self._launch_autoregressive(seqs, tokens)
             self._ahead_since = time.perf_counter()
+        batch_key = (self.scheduler.version, len(seqs))  # before the commits: they may end some
         for i, seq in enumerate(seqs):
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
             self._step_tokens += 1
             self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0)
         if self.drafter is not None:  # after the commits (see HiddenLog); no per-sequence work
-            self._hidden_log.append(seqs, hidden)
+            self._hidden_log.append(seqs, hidden, batch_key)
 
     def _decode_hidden(self, seqs: list[Sequence], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """The target's hidden states [B, H] of ``tokens[i]`` at ``positions[i]`` of ``seqs[i]``

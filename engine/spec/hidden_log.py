@@ -19,6 +19,8 @@ holds them for hidden indices ``num_committed - n .. num_committed - 1``.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from engine.host_tensor import to_device
@@ -38,19 +40,30 @@ class HiddenLog:
         self._count = 0
         # ids of the sequences in the runs (the runs keep them alive, so no id is reused)
         self._logged: set[int] = set()
+        self._last_key: Hashable | None = None  # the caller's key of the last run's batch
 
     def __len__(self) -> int:
         return self._count
 
-    def append(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+    def append(self, seqs: list[Sequence], hidden: torch.Tensor, key: Hashable | None = None) -> None:
         """Log one autoregressive step: row i of ``hidden`` [B, H] is ``seqs[i]``'s newest
-        committed position (count it committed before the next flush)."""
-        batch = tuple(seqs)
-        if self._runs and self._runs[-1][0] == batch:  # Sequence compares by identity
+        committed position (count it committed before the next flush). ``key``: what the
+        caller knows the batch by (the engine's scheduler version and batch size), equal for
+        two steps only if their ``seqs`` are the same sequences in the same order: the step
+        then joins the last run without comparing the batch sequence by sequence (~20 us a
+        step at batch 256 on a 2-core host)."""
+        last = self._runs[-1][0] if self._runs else None
+        if last is not None and (
+            key is not None and key == self._last_key and len(last) == len(seqs)
+            and last[0] is seqs[0] and last[-1] is seqs[-1]
+            or key is None and last == tuple(seqs)  # Sequence compares by identity
+        ):  # fmt: skip
             self._runs[-1][1].append(hidden)
         else:
+            batch = tuple(seqs)
             self._runs.append((batch, [hidden]))
             self._logged.update(map(id, batch))
+        self._last_key = key
         self._count += 1
         if self._count >= self.max_steps:
             self.flush()
@@ -58,6 +71,17 @@ class HiddenLog:
     def holds(self, seq: Sequence) -> bool:
         """Whether rows of ``seq`` are logged (not yet handed out)."""
         return id(seq) in self._logged
+
+    def clear(self) -> None:
+        """Forget every logged row: for when every logged sequence has finished (the engine is
+        idle), whose rows a flush would drop anyway. Kept, they hold device memory and fill the
+        log, whose flush then concatenates them all: closed batches of 256 decoding
+        autoregressively one after another left 64 steps of rows each, and the flush every 256
+        steps took ~20 ms of a 2-core host."""
+        self._runs.clear()
+        self._logged.clear()
+        self._count = 0
+        self._last_key = None
 
     def flush(self) -> None:
         """Hand every logged row to its sequence's MTP queue (finished sequences' are dropped):
@@ -84,6 +108,4 @@ class HiddenLog:
             parts = flat.index_select(0, index).split([len(idx) for _, idx in per_seq])
             for (seq, idx), part in zip(per_seq, parts, strict=True):
                 seq.push_hidden(0, seq.num_committed - len(idx), part)
-        self._runs.clear()
-        self._logged.clear()
-        self._count = 0
+        self.clear()

@@ -200,7 +200,46 @@ def test_aborted_and_closed_sequences_leave_nothing_behind_in_the_log(small_voca
     eng.abort_request("t")
     eng.close_session("s")
     out = eng.generate([[3, 4, 5]], GREEDY)[0]  # its prefill flushes the log
-    assert len(out.token_ids) == GREEDY.max_tokens and len(eng._hidden_log) > 0
-    eng._hidden_log.flush()
+    # Idle with no session open once it ends: its own rows, a finished request's, are dropped.
+    assert len(out.token_ids) == GREEDY.max_tokens and len(eng._hidden_log) == 0
     assert eng.kv_blocks_used == 0
     assert torch.count_nonzero(eng.pool.kv_cache) == 0
+
+
+def test_an_idle_engine_keeps_logged_rows_only_for_an_open_session(small_vocab_dir: Path) -> None:
+    """Rows logged for requests that all finished are dropped once nothing runs or waits (a flush
+    would drop them; kept, they hold device memory and make the next flush dear), unless a
+    session is open: its next turn continues from them. A closed batch decoding
+    autoregressively is logged as one run, its batch matched by the engine's key."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
+    assert eng.adaptive is not None
+    eng.adaptive.choose = lambda *a, **k: NO_SPEC  # type: ignore[method-assign]
+    eng.add_request("a", [1, 2, 3, 4], GREEDY)
+    eng.add_request("b", [2, 3, 4], GREEDY)
+    while len(eng.sequence("a").output_ids) < 10:  # type: ignore[union-attr]
+        eng.step()
+    assert len(eng._hidden_log._runs) == 1 and len(eng._hidden_log) >= 5
+    while eng.num_running or eng.num_waiting:
+        eng.step()
+    assert len(eng._hidden_log) == 0
+    eng.open_session("s")
+    eng.add_request("t", [2, 3, 4], GREEDY, session_id="s")
+    while eng.num_running or eng.num_waiting:
+        eng.step()
+    assert len(eng._hidden_log) > 0  # the session's next turn reads them
+    eng.close_session("s")
+
+
+def test_a_step_whose_key_matches_the_last_joins_its_run_without_comparing_the_batch() -> None:
+    """The engine keys each step's batch (its scheduler version and size): a step with the last
+    step's key joins its run; a new key, or a batch whose ends are other sequences (a key
+    reused wrongly), starts a new run, so every row still reaches its own sequence."""
+    a, b, c = _seq("a", 1), _seq("b", 1), _seq("c", 1)
+    log = HiddenLog()
+    hidden = torch.zeros(2, H)
+    log.append([a, b], hidden, key=(7, 2))
+    log.append([a, b], hidden, key=(7, 2))
+    assert len(log._runs) == 1
+    log.append([a, c], hidden, key=(7, 2))  # same key, another batch: not trusted
+    log.append([a, c], hidden, key=(8, 2))
+    assert [len(h) for _, h in log._runs] == [2, 1, 1] and len(log) == 4
