@@ -21,7 +21,7 @@ the host functions taking the most time follow its trace.
 
     PYTHONPATH=. python scripts/adaptive_trace.py [--model models/demo] [--device cuda]
         [--batch-sizes 1,64,256] [--temperatures 0,0.7] [--rounds 3] [--max-new-tokens 64]
-        [--cprofile-batch 256]
+        [--cprofile-batch 256] [--spin-ms 50]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 
 from bench.contenders import load_base
 from bench.engine_run import run_batch
+from bench.gpu_clock import spin
 from bench.prompts import load_prompts
 from bench.stall_probe import StallProbe, describe
 from engine import LLMEngine, SamplingParams, SpecConfig
@@ -165,6 +166,10 @@ def main() -> None:
                         help="the speculating engine traced (default adaptive)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="prompt tokens prefilled per step by both engines (default: the engine's)")
+    parser.add_argument("--spin-ms", type=float, default=50.0,
+                        help="ms of GPU matrix products before every run, as the benchmark's "
+                             "--spin-ms (without, a round's first prefill ran at the idle clock: "
+                             "43-74 ms against ~10 in session 35's traces); 0: none")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -190,8 +195,10 @@ def main() -> None:
                 tokens = 16 if r == 0 else args.max_new_tokens
                 sp = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True)
                 base_trace.clear()
+                spin(base.device, args.spin_ms)
                 ar = run_batch(base, batch_prompts, sp)
                 trace.clear()
+                spin(base.device, args.spin_ms)
                 profiler = cProfile.Profile() if batch == args.cprofile_batch and r == args.rounds else None
                 if profiler is not None:
                     profiler.enable()
