@@ -55,6 +55,9 @@ class BatchRun:
     # Adaptive: its measured filling steps (engine steps that prefilled and decoded) at decode
     # batches up to this batch's bucket (``acceptance_snapshot()["fill_costs"]``).
     fill_costs: list[dict[str, object]] = field(default_factory=list)
+    # Adaptive: the fill questions asked during the run (does the batch being filled draft once
+    # full? ``MeasuredArms.fill_questions``), with the terms weighed.
+    fill_questions: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -80,6 +83,7 @@ def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParam
     final: dict[str, object] = {}
     run = BatchRun(0.0, [[] for _ in prompts], [0.0] * len(prompts), [0.0] * len(prompts))
     arms_before = Counter(eng.adaptive.steps_per_arm) if eng.adaptive is not None else Counter()
+    asked_before = eng.adaptive.arms.fill_questions_asked if eng.adaptive is not None else 0
     gc.collect()  # the previous run's garbage is not this run's to collect
     synchronize(eng.device)
     t0 = time.perf_counter()
@@ -123,6 +127,9 @@ def _run_batch(eng: LLMEngine, prompts: list[list[int]], sampling: SamplingParam
         fills = snapshot.get("fill_costs", [])
         run.fill_costs = [c for c in fills  # type: ignore[attr-defined]
                           if max(round(c["batch_size"]), 1).bit_length() <= bucket]  # fmt: skip
+        questions = eng.adaptive.arms.fill_questions
+        new = max(0, min(eng.adaptive.arms.fill_questions_asked - asked_before, len(questions)))
+        run.fill_questions = [q.to_dict(budget_label) for q in list(questions)[len(questions) - new:]]
     return run
 
 

@@ -21,8 +21,8 @@ FIELDS = (
     "draft_ms_per_step", "verify_ms_per_step", "rollback_ms_per_step", "mean_accepted_length",
     "acceptance_per_position", "draft_tokens_per_step", "speedup_vs_ar", "speedup_vs_ar_min",
     "speedup_vs_ar_max", "greedy_match", "repeats", "output_tokens", "floor", "step_over_floor",
-    "cost_per_million_tokens", "saving_vs_ar", "steps_per_arm", "arm_costs", "fill_costs", "skipped",
-    "stalls", "warmup_stalls", "round_ms", "round_speedups",
+    "cost_per_million_tokens", "saving_vs_ar", "steps_per_arm", "arm_costs", "fill_costs",
+    "fill_questions", "skipped", "stalls", "warmup_stalls", "round_ms", "round_speedups",
 )
 
 
@@ -58,6 +58,7 @@ def make_record(mode: str, label: str, batch_size: int, temperature: float,
     rec["steps_per_arm"] = arms or None
     rec["arm_costs"] = runs[-1].arm_costs or None  # the adaptive engine's, after the last round
     rec["fill_costs"] = runs[-1].fill_costs or None
+    rec["fill_questions"] = runs[-1].fill_questions or None  # the last round's
     decode = [r for r in runs if r.decode_steps]
     if decode:
         rec["step_ms"] = _ms(statistics.median(r.decode_s / r.decode_steps for r in decode))

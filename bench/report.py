@@ -71,11 +71,13 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["Adaptive speculation: decode steps per chosen budget (all timed repeats), the "
              "step costs it measured in that batch's bucket (ms per step, and the tokens per "
-             "sequence it counted on: a drafting arm's yield pooled over batch sizes), and its "
+             "sequence it counted on: a drafting arm's yield pooled over batch sizes), its "
              "filling steps (ms per engine step that prefilled and decoded, at the decode "
-             "batch given; steps measured in brackets):", "",
-             "| T | batch | steps per budget | measured arm costs | filling steps |",
-             "|---|---|---|---|---|"]
+             "batch given; steps measured in brackets), and the last round's fill questions "
+             "(does the batch being filled draft once full: the answer, and the ms saved over "
+             "the horizon against the catch-up and the drain, times the margin):", "",
+             "| T | batch | steps per budget | measured arm costs | filling steps | fill questions |",
+             "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["temperature"], r["batch_size"])):
         arms = ", ".join(f"{label} {n}" for label, n in sorted(r["steps_per_arm"].items()))
         sampled = bool(r["temperature"])
@@ -87,8 +89,19 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
             f"{_f(c['batch_size'], '.0f')}: {c['arm']} {_f(c['step_seconds'] * 1e3, '.2f')} ms ({c['steps']})"
             for c in r.get("fill_costs") or [] if bool(c.get("sampled")) == sampled
         ) or "–"
-        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} | {costs} | {fills} |")
+        questions = "; ".join(_fill_question(q) for q in r.get("fill_questions") or []) or "–"
+        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} | {costs} | {fills} | {questions} |")
     return lines
+
+
+def _fill_question(q: dict[str, Any]) -> str:
+    """``64: chain-4 [chain-4 38.0/(3.3+5.2)x1.00]``: the batch asked about, the answer (``none``:
+    it stays autoregressive) and the terms weighed, if any."""
+    answer = q.get("answer") or "none"
+    if q.get("arm") is None:
+        return f"{q['batch_size']}: {answer}"
+    return (f"{q['batch_size']}: {answer} [{q['arm']} {_f(q['saving_ms'], '.1f')}/"
+            f"({_f(q['catch_up_ms'], '.1f')}+{_f(q['drain_ms'], '.1f')})x{_f(q['margin'], '.2f')}]")
 
 
 def stall_lines(runs: list[dict[str, Any]]) -> list[str]:

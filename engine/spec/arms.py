@@ -72,6 +72,8 @@ the rows an autoregressive step would leave to catch up (``_filling_arm``).
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.spec.catch_up_cost import CatchUpCost
@@ -113,6 +115,26 @@ class SwitchWeighing:
     @property
     def pays(self) -> bool:
         return self.saving > self.margin * (self.catch_up + self.drain)
+
+
+@dataclass(frozen=True)
+class FillQuestion:
+    """A filling batch's question, whether the batch it becomes drafts (``drafting_arm``), and
+    its answer: what a sweep records to tell why a batch size drafted or not."""
+
+    batch_size: int
+    sampled: bool
+    answer: TreeBudget | None
+    weighing: SwitchWeighing | None  # None: nothing weighed (too little known, nothing to catch up)
+
+    def to_dict(self, label: Callable[[TreeBudget], str]) -> dict[str, object]:
+        """JSON-ready, ``label`` naming a budget (``engine.spec.adaptive.budget_label``)."""
+        w = self.weighing
+        return {"batch_size": self.batch_size, "sampled": self.sampled,
+                "answer": None if self.answer is None else label(self.answer),
+                "arm": None if w is None else label(w.arm),
+                **({} if w is None else {"saving_ms": w.saving * 1e3, "catch_up_ms": w.catch_up * 1e3,
+                                          "drain_ms": w.drain * 1e3, "margin": w.margin})}  # fmt: skip
 
 
 @dataclass
@@ -210,6 +232,9 @@ class MeasuredArms:
         self._fill_drafting: TreeBudget | None = None
         # The terms of the last switch weighed on costs (``_switch_pays``; diagnosis tools).
         self.last_weighing: SwitchWeighing | None = None
+        # The newest fill questions (``drafting_arm``) and how many were asked in all.
+        self.fill_questions: deque[FillQuestion] = deque(maxlen=64)
+        self.fill_questions_asked = 0
         # Seconds of decode steps served (steady and filling), and that clock's reading when
         # each arm last began an exploring run: what a run to learn a thin yield may spend.
         self._served_s = 0.0
@@ -553,19 +578,24 @@ class MeasuredArms:
         decoding with ``lag_rows`` rows to catch up, by the costs and yields known now (None:
         it would not draft, or too little is known to tell); ``closed``: that batch will only
         shrink (its drain is charged as ``choose`` charges it). A question, not a choice:
-        nothing is explored or recorded. A batch still being prefilled asks it of the batch it
-        becomes, to catch its prompts up in their prefill (cheaper than one catch-up after it)."""
+        nothing is explored or measured; the question and its terms are kept for diagnosis
+        (``fill_questions``). A batch still being prefilled asks it of the batch it becomes, to
+        catch its prompts up in their prefill (cheaper than one catch-up after it)."""
         target = batch_size.bit_length()
         estimates, best = self._cheapest(target, sampled, arms)
-        if best is None or not best.speculates:
-            return None
-        base_cost = self._base_cost(target, sampled, arms[0], estimates[arms[0]], batch_size)
-        catch_up = self.catch_up_seconds(lag_rows)
-        if base_cost is None or catch_up <= 0:
-            return None
-        drains = closed and tokens_left is not None and self.spread.ready
-        pays = self._switch_pays(best, estimates[best], base_cost, batch_size, sampled, catch_up, drains, tokens_left)
-        return best if pays else None
+        answer, weighing = None, None
+        if best is not None and best.speculates:
+            base_cost = self._base_cost(target, sampled, arms[0], estimates[arms[0]], batch_size)
+            catch_up = self.catch_up_seconds(lag_rows)
+            if base_cost is not None and catch_up > 0:
+                drains = closed and tokens_left is not None and self.spread.ready
+                self.last_weighing = None
+                pays = self._switch_pays(best, estimates[best], base_cost, batch_size, sampled, catch_up, drains,
+                                         tokens_left)  # fmt: skip
+                answer, weighing = (best if pays else None), self.last_weighing
+        self.fill_questions.append(FillQuestion(batch_size, sampled, answer, weighing))
+        self.fill_questions_asked += 1
+        return answer
 
     def _cheapest(
         self, target: int, sampled: bool, arms: list[TreeBudget]

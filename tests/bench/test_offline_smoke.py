@@ -101,7 +101,7 @@ def test_report_from_json(offline_result: tuple[int, dict, Path]) -> None:
     assert main(["report", str(path)]) == 0
     md = path.with_suffix(".md").read_text()
     assert "| T | batch | mode |" in md and "tree-3" in md
-    assert "decode steps per chosen budget" in md and "measured arm costs" in md and "filling steps |" in md
+    assert "decode steps per chosen budget" in md and "measured arm costs" in md and "filling steps | fill questions |" in md
     assert "- adaptive: " in md.split("Engine builds")[1].split("## Offline engine sweep")[0]
     assert (path.parent / f"{path.stem}-speedup.png").stat().st_size > 1000
     assert (path.parent / f"{path.stem}-acceptance.png").stat().st_size > 1000
