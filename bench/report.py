@@ -10,6 +10,7 @@ from typing import Any
 
 from bench.plots import write_plots
 from bench.results import read_json
+from bench.stats import median_interval
 
 
 def _f(x: Any, spec: str = ".1f") -> str:
@@ -43,6 +44,37 @@ def offline_table(runs: list[dict[str, Any]], with_cost: bool, with_floor: bool)
             saving = r["saving_vs_ar"]
             row += [_f(r["cost_per_million_tokens"], ".3f"), "–" if saving is None else f"{saving:+.0%}"]
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def speedup_grid(runs: list[dict[str, Any]]) -> list[str]:
+    """Each mode's speedup over ar per temperature and batch size: the median of the paired
+    rounds and a 95% interval for it (order statistics: ``bench.stats.median_interval``; ``–``
+    with fewer than 6 rounds). **Bold**: the whole interval is below 1.0, a slowdown the rounds'
+    spread does not explain; an interval that holds 1.0 does not tell the two apart."""
+    done = [r for r in runs if r["mode"] != "ar" and r.get("round_speedups")]
+    if not done:
+        return []
+    batches = sorted({r["batch_size"] for r in done})
+    head = ["mode", "T", *[str(b) for b in batches]]
+    lines = ["Speedup over ar, median of the paired rounds [95% interval of that median]; "
+             "**bold**: the interval lies below 1.0:", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, temperature in sorted({(r["label"], r["temperature"]) for r in done}, key=lambda k: (k[1], k[0])):
+        cells = []
+        for b in batches:
+            rec = next((r for r in done if (r["label"], r["temperature"], r["batch_size"]) == (label, temperature, b)),
+                       None)  # fmt: skip
+            if rec is None:
+                cells.append("–")
+                continue
+            interval = median_interval(rec["round_speedups"])
+            text = _f(rec["speedup_vs_ar"], ".2f")
+            if interval is not None:
+                text += f" [{interval[0]:.2f}–{interval[1]:.2f}]"
+            below = interval is not None and round(interval[1], 2) < 1.0  # below 1.00 as shown
+            cells.append(f"**{text}**" if below else text)
+        lines.append("| " + " | ".join([label, _f(temperature, "g"), *cells]) + " |")
     return lines
 
 
@@ -197,6 +229,9 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
         if with_cost:
             out += [f"Cost at ${s.get('price_per_hour')} per device-hour.", ""]
         out += offline_table(runs, with_cost, any(r["step_over_floor"] for r in runs))
+        grid = speedup_grid(runs)
+        if grid:
+            out += [""] + grid
         out += [""] + acceptance_table(runs)
         adaptive = adaptive_table(runs)
         if adaptive:
