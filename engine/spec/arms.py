@@ -241,7 +241,10 @@ class MeasuredArms:
         self._explored_at: dict[tuple[bool, TreeBudget], float] = {}
 
     def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
-        return self._buckets.setdefault((bucket, sampled), _Bucket())
+        found = self._buckets.get((bucket, sampled))  # (no throwaway _Bucket at every step)
+        if found is None:
+            found = self._buckets[(bucket, sampled)] = _Bucket()
+        return found
 
     # ------------------------------------------------------------------ measurements
     def observe(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, tokens: int) -> None:
