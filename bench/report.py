@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,12 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
              "filling steps (ms per engine step that prefilled and decoded, at the decode "
              "batch given; steps measured in brackets), and the last round's fill questions "
              "(does the batch being filled draft once full: the answer, and the ms saved over "
-             "the horizon against the catch-up and the drain, times the margin):", "",
-             "| T | batch | steps per budget | measured arm costs | filling steps | fill questions |",
-             "|---|---|---|---|---|---|"]
+             "the horizon against the catch-up and the drain, times the margin), against the "
+             "ms a round actually saved (the median over rounds of ar's round time less "
+             "adaptive's in the same round):", "",
+             "| T | batch | steps per budget | measured arm costs | filling steps | fill questions | saved ms |",
+             "|---|---|---|---|---|---|---|"]
+    baseline = {(r["temperature"], r["batch_size"]): r.get("round_ms") for r in runs if r.get("mode") == "ar"}
     for r in sorted(rows, key=lambda r: (r["temperature"], r["batch_size"])):
         arms = ", ".join(f"{label} {n}" for label, n in sorted(r["steps_per_arm"].items()))
         sampled = bool(r["temperature"])
@@ -122,7 +126,11 @@ def adaptive_table(runs: list[dict[str, Any]]) -> list[str]:
             for c in r.get("fill_costs") or [] if bool(c.get("sampled")) == sampled
         ) or "–"
         questions = "; ".join(_fill_question(q) for q in r.get("fill_questions") or []) or "–"
-        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} | {costs} | {fills} | {questions} |")
+        ar_ms, own_ms = baseline.get((r["temperature"], r["batch_size"])), r.get("round_ms")
+        saved = (_f(statistics.median(a - b for a, b in zip(ar_ms, own_ms, strict=True)), ".1f")
+                 if ar_ms and own_ms and len(ar_ms) == len(own_ms) else "–")  # fmt: skip
+        lines.append(f"| {_f(r['temperature'], 'g')} | {r['batch_size']} | {arms} | {costs} | {fills} "
+                     f"| {questions} | {saved} |")
     return lines
 
 

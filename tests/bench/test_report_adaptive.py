@@ -25,13 +25,18 @@ def test_the_adaptive_table_lists_steady_and_filling_costs_of_the_rows_temperatu
         ],
     }  # fmt: skip
     lines = adaptive_table([run])
-    assert lines[2] == "| T | batch | steps per budget | measured arm costs | filling steps | fill questions |"
+    assert lines[2] == ("| T | batch | steps per budget | measured arm costs | filling steps | fill questions "
+                        "| saved ms |")
     row = lines[-1]
     assert row.startswith("| 0 | 64 | none 35, tree-4x6-32 11 | none 1.01 ms (1.00) |")
     assert row.endswith("| 6: tree-4x6-32 3.10 ms (9); 6: none 1.50 ms (3) "
-                        "| 64: chain-4 [chain-4 38.0/(3.3+5.2)x1.00]; 64: none |")
+                        "| 64: chain-4 [chain-4 38.0/(3.3+5.2)x1.00]; 64: none | – |")
     assert "500" not in row and "9.00" not in row  # the sampled entries belong to T > 0 rows
-    assert adaptive_table([{**run, "fill_costs": None, "fill_questions": None}])[-1].endswith("| – | – |")
+    assert adaptive_table([{**run, "fill_costs": None, "fill_questions": None}])[-1].endswith("| – | – | – |")
+    # With the baseline's rounds of the same point: the median of the paired differences.
+    ar = {"mode": "ar", "temperature": 0.0, "batch_size": 64, "round_ms": [60.0, 62.0, 70.0]}
+    paired = adaptive_table([{**run, "mode": "adaptive", "round_ms": [50.0, 64.0, 58.0]}, ar])
+    assert paired[-1].endswith("| 10.0 |")  # 10, -2, 12
 
 
 def test_a_fill_question_is_recorded_with_the_terms_it_weighed() -> None:
