@@ -32,9 +32,10 @@
 # scripts/spec_step_profile.py on random weights, into RESULTS_DIR/step-profile.txt),
 # AR_PROFILE_BATCHES (e.g. 64,256: after the step profile, scripts/ar_step_profile.py on the
 # trained model, the baseline's and an adaptive engine's steps side by side at those batches,
-# greedy, the adaptive one pinned to autoregressive steps, at most AR_PROFILE_S seconds
+# the adaptive one pinned to autoregressive steps, at most AR_PROFILE_S seconds
 # (default 120), into RESULTS_DIR/ar-step-profile.json and .txt: whether the adaptive engine's
-# autoregressive steps cost more than the baseline's),
+# autoregressive steps cost more than the baseline's; AR_PROFILE_TEMPERATURES, default 0,0.7:
+# session 35's sweeps had them 1.7-3.7% dearer per step under T=0.7),
 # OVERLAP_STEPS (on, off or auto, default auto = on on CUDA: EngineConfig.overlap_steps of every
 # engine, the baseline's too),
 # PREFILL_CHUNK (prompt tokens prefilled per step by every engine, the baseline's too; default:
@@ -178,7 +179,8 @@ if [ -n "${AR_PROFILE_BATCHES:-}" ] && [ "$LEFT" -gt 40 ]; then
     echo "== autoregressive steps, baseline and adaptive, at batches ${AR_PROFILE_BATCHES} (${AR_LIMIT} s)"
     AR_DIR=$(mktemp -d)
     timeout "$AR_LIMIT" "$PY" scripts/ar_step_profile.py "$AR_DIR" --model "$MODEL" --device cuda \
-        --batch-sizes "$AR_PROFILE_BATCHES" --temperatures 0 --methods none,adaptive --adaptive-autoregressive \
+        --batch-sizes "$AR_PROFILE_BATCHES" --temperatures "${AR_PROFILE_TEMPERATURES:-0,0.7}" \
+        --methods none,adaptive --adaptive-autoregressive \
         > "$AR_DIR/stdout.txt" 2>&1 || echo "== autoregressive step profile exited with status $?"
     cp "$AR_DIR/ar_step_profile.json" "$OUT/ar-step-profile.json" 2>/dev/null || true
     cp "$AR_DIR/ar_step_profile.txt" "$OUT/ar-step-profile.txt" 2>/dev/null || tail -20 "$AR_DIR/stdout.txt"
