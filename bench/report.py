@@ -61,11 +61,11 @@ def speedup_grid(runs: list[dict[str, Any]]) -> list[str]:
     lines = ["Speedup over ar, median of the paired rounds [95% interval of that median]; "
              "**bold**: the interval lies below 1.0:", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by_point = {(r["label"], r["temperature"], r["batch_size"]): r for r in done}
     for label, temperature in sorted({(r["label"], r["temperature"]) for r in done}, key=lambda k: (k[1], k[0])):
         cells = []
         for b in batches:
-            rec = next((r for r in done if (r["label"], r["temperature"], r["batch_size"]) == (label, temperature, b)),
-                       None)  # fmt: skip
+            rec = by_point.get((label, temperature, b))
             if rec is None:
                 cells.append("–")
                 continue

@@ -590,12 +590,13 @@ class MeasuredArms:
         if best is not None and best.speculates:
             base_cost = self._base_cost(target, sampled, arms[0], estimates[arms[0]], batch_size)
             catch_up = self.catch_up_seconds(lag_rows)
-            if base_cost is not None and catch_up > 0:
+            est = estimates[best]
+            if base_cost is not None and catch_up > 0 and est is not None:
                 drains = closed and tokens_left is not None and self.spread.ready
-                self.last_weighing = None
-                pays = self._switch_pays(best, estimates[best], base_cost, batch_size, sampled, catch_up, drains,
-                                         tokens_left)  # fmt: skip
-                answer, weighing = (best if pays else None), self.last_weighing
+                weighing = self.last_weighing = self._weigh(
+                    best, est, base_cost, batch_size, sampled, catch_up, drains, tokens_left
+                )
+                answer = best if weighing.pays else None
         self.fill_questions.append(FillQuestion(batch_size, sampled, answer, weighing))
         self.fill_questions_asked += 1
         return answer
@@ -662,6 +663,14 @@ class MeasuredArms:
             # baseline's do, while a line extrapolated from small batches can put it at
             # ten times its cost (the H200's noise at batch 4, drawn out to 64).
             return catch_up <= 0
+        self.last_weighing = self._weigh(arm, est, base_cost, batch_size, sampled, catch_up, drains, tokens_left)
+        return self.last_weighing.pays
+
+    def _weigh(
+        self, arm: TreeBudget, est: _Estimate, base_cost: float, batch_size: int, sampled: bool,
+        catch_up: float, drains: bool, tokens_left: float | None,
+    ) -> SwitchWeighing:
+        """The terms a switch from autoregressive decoding to drafting ``arm`` is weighed by."""
         # An estimate extrapolated from smaller batches (a line through two of them) is
         # optimistic as far as its host work per sequence was measured short; it must
         # clear the cost by a margin growing with the doublings it spans.
@@ -676,8 +685,7 @@ class MeasuredArms:
             drain = self._drain_seconds(est, batch_size, sampled, arm, tokens_left)  # type: ignore[arg-type]
         else:
             drain = DRAIN_STEPS * est.step
-        self.last_weighing = SwitchWeighing(arm, saving, catch_up, drain, margin)
-        return self.last_weighing.pays
+        return SwitchWeighing(arm, saving, catch_up, drain, margin)
 
     def _saving(
         self, new: _Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,

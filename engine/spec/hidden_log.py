@@ -52,12 +52,7 @@ class HiddenLog:
         two steps only if their ``seqs`` are the same sequences in the same order: the step
         then joins the last run without comparing the batch sequence by sequence (~20 us a
         step at batch 256 on a 2-core host)."""
-        last = self._runs[-1][0] if self._runs else None
-        if last is not None and (
-            key is not None and key == self._last_key and len(last) == len(seqs)
-            and last[0] is seqs[0] and last[-1] is seqs[-1]
-            or key is None and last == tuple(seqs)  # Sequence compares by identity
-        ):  # fmt: skip
+        if self._joins_last_run(seqs, key):
             self._runs[-1][1].append(hidden)
         else:
             batch = tuple(seqs)
@@ -67,6 +62,16 @@ class HiddenLog:
         self._count += 1
         if self._count >= self.max_steps:
             self.flush()
+
+    def _joins_last_run(self, seqs: list[Sequence], key: Hashable | None) -> bool:
+        """Whether ``seqs`` is the last run's batch: by the caller's key (its ends checked too),
+        else sequence by sequence (Sequence compares by identity)."""
+        if not self._runs:
+            return False
+        last = self._runs[-1][0]
+        if key is None:
+            return last == tuple(seqs)
+        return key == self._last_key and len(last) == len(seqs) and last[0] is seqs[0] and last[-1] is seqs[-1]
 
     def holds(self, seq: Sequence) -> bool:
         """Whether rows of ``seq`` are logged (not yet handed out)."""
