@@ -43,6 +43,7 @@ def engine_factory_from_settings(settings: Settings) -> EngineFactory:
             max_model_len=settings.max_model_len,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             overlap_steps=settings.overlap_steps,
+            drafting_layer=settings.drafting_layer,
         )
         return LLMEngine.from_pretrained(
             str(settings.model), device=settings.device, dtype=settings.dtype, spec=spec,

@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int | None = Field(None, ge=1)  # None: the engine default per device
     # EngineConfig.overlap_steps: launch steady decode steps ahead; None: on CUDA, off on a CPU.
     overlap_steps: bool | None = None
+    # EngineConfig.drafting_layer: the MTP modules' fused drafting forward; None: on CUDA in 16 bits.
+    drafting_layer: bool | None = None
     spec_method: Literal["none", "chain", "tree", "adaptive"] = "tree"
     spec_topk: int | None = Field(None, ge=1)
     spec_depth: int | None = Field(None, ge=1)

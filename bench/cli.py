@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--overlap-steps", choices=["on", "off", "auto"], default="auto",
                      help="launch steady decode steps ahead of their host work "
                           "(EngineConfig.overlap_steps; auto: on CUDA, off on a CPU)")
+    off.add_argument("--drafting-layer", choices=["on", "off", "auto"], default="auto",
+                     help="the MTP modules' fused drafting forward in the graphed tree steps "
+                          "(EngineConfig.drafting_layer; auto: on CUDA in 16 bits)")
     off.add_argument("--prefill-chunk-tokens", type=int, default=None,
                      help="prompt tokens prefilled per step by every engine "
                           "(EngineConfig.prefill_chunk_tokens; default: the engine's per device)")
@@ -138,6 +141,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         time_limit_s=args.time_limit_s, price_per_hour=args.price_per_hour, freeze_gc=True,
         spin_ms=args.spin_ms, overlap_steps=None if args.overlap_steps == "auto" else args.overlap_steps == "on",
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        drafting_layer=None if args.drafting_layer == "auto" else args.drafting_layer == "on",
     )
     doc, ok = run_offline(settings, progress=not args.no_progress)
     from bench.results import read_json, write_json

@@ -262,13 +262,14 @@ class LLMEngine:
         cfg, reuse = self.model_config, self.spec.reuse_last_module
         use_graphs = self.device.type == "cuda"
         max_batch = self.config.max_batch_size
-        greedy = GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch,
-                                   use_graphs=use_graphs, reuse_last_module=reuse)  # fmt: skip
+        drafting = self.config.drafting_layer
+        greedy = GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch, use_graphs=use_graphs,
+                                   reuse_last_module=reuse, drafting_layer=drafting)  # fmt: skip
         # Without reuse of the last module, no draft is deeper than the modules.
         depth = budget.depth if reuse else min(budget.depth, cfg.num_mtp_modules)
         shape = sampled_tree_shape(dataclasses.replace(budget, depth=depth), None)
-        sampled = GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch,
-                                     use_graphs=use_graphs, reuse_last_module=reuse)  # fmt: skip
+        sampled = GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch, use_graphs=use_graphs,
+                                     reuse_last_module=reuse, drafting_layer=drafting)  # fmt: skip
         return [greedy, sampled]
 
     def graphed_budgets(self, sampled: bool) -> list[TreeBudget]:

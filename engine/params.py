@@ -126,6 +126,11 @@ class EngineConfig:
     # batch 1, +30-43% at 128, both modes; outputs unchanged in the float32 check), off on a
     # CPU, where nothing overlaps (tests turn it on to check the outputs are unchanged).
     overlap_steps: bool | None = None
+    # The graphed tree steps' MTP forwards take the drafting layer (engine/model/draft_layer.py:
+    # absorbed MLA weights, GEMMs with the norms, residual adds and SwiGLU inside; drafts may
+    # differ in the last bits, outputs do not). None: on CUDA with Triton in a 16-bit dtype;
+    # True also on a CPU (its PyTorch form, for tests); False: the layer path.
+    drafting_layer: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -35,7 +35,8 @@ from engine.spec.arm_calibration import calibrate_arms
 from engine.spec.drafter import TreeBudget
 
 
-def random_adaptive_engine(preset: str, device: torch.device, max_batch: int) -> LLMEngine:
+def random_adaptive_engine(preset: str, device: torch.device, max_batch: int,
+                           drafting_layer: bool | None = None) -> LLMEngine:
     """An adaptive engine (its arms captured, not calibrated) over random weights of a
     training preset's shape."""
     from train.presets import PRESETS
@@ -49,7 +50,7 @@ def random_adaptive_engine(preset: str, device: torch.device, max_batch: int) ->
     model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.eval()
     config = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=(8 << 30) if device.type == "cuda" else 1 << 28,
-                          cuda_graphs=True, calibrate_arms=False)  # fmt: skip
+                          cuda_graphs=True, calibrate_arms=False, drafting_layer=drafting_layer)  # fmt: skip
     return LLMEngine(model, None, frozenset(), SpecConfig(method="adaptive"), config, device)
 
 
@@ -224,13 +225,16 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="cProfile each point's steps too")
     parser.add_argument("--sequence", action="store_true",
                         help="also list each profiled step's kernels in launch order")
+    parser.add_argument("--drafting-layer", choices=["on", "off", "auto"], default="auto",
+                        help="EngineConfig.drafting_layer of the engine (auto: on CUDA in 16 bits)")
     parser.add_argument("--no-sweep", action="store_true",
                         help="only the profiles: no attention tile sweep, no arm table")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    eng = random_adaptive_engine(args.random_preset, device, args.max_batch)
+    drafting = None if args.drafting_layer == "auto" else args.drafting_layer == "on"
+    eng = random_adaptive_engine(args.random_preset, device, args.max_batch, drafting)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
     arms = {}
     for sampled in (False, True):

@@ -104,18 +104,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = self._rope_and_store_latent(x, rope, rope_tables, batch, kv_cache)
         w_uk, w_uv = self._absorb_weights()
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, heads, kv_rank]
-        out_latent = paged_mla_attention(
-            q_latent,
-            q_rope,
-            kv_cache,
-            batch.block_tables,
-            batch.ctx_lens,
-            batch.query_start,
-            batch.new_mask,
-            self.scale,
-            query_ctx_lens=batch.query_ctx_lens,
-            memo=batch.memo,
-        )  # [N, heads, kv_rank]
+        out_latent = self.attend(q_latent, q_rope, batch, kv_cache)  # [N, heads, kv_rank]
         # einsum("nhr,hvr->nhv") is a batched GEMM over heads whose [heads, N, v] result is
         # copied into [N, heads, v] for o_proj whenever N > 1 (a kernel per layer, 18 of a batch-1
         # tree step's ~345 on the H200); written through a transposed view, the GEMM stores it
@@ -127,6 +116,19 @@ class MultiHeadLatentAttention(nn.Module):
             out = out_latent.new_empty(x.shape[0], self.num_heads, self.v_dim)  # [N, heads, v]
             torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
+
+    def attend(
+        self,
+        q_latent: torch.Tensor,  # [N, heads, kv_rank] (last dim contiguous)
+        q_rope: torch.Tensor,  # [N, heads, rope] rotated
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_rank + rope] this layer's cache
+    ) -> torch.Tensor:  # [N, heads, kv_rank]
+        """Absorbed attention of the batch's queries over the paged latent cache."""
+        return paged_mla_attention(
+            q_latent, q_rope, kv_cache, batch.block_tables, batch.ctx_lens, batch.query_start,
+            batch.new_mask, self.scale, query_ctx_lens=batch.query_ctx_lens, memo=batch.memo,
+        )  # fmt: skip
 
     def write_latent(
         self,
@@ -158,18 +160,33 @@ class MultiHeadLatentAttention(nn.Module):
         ``rope_tables`` None (see ``DeepseekV3ForCausalLM._rope_tables``): the fused kernel
         computes cos/sin where it applies, else they are computed here.
         """
-        norm = self.kv_a_layernorm
         q, kv = self._project_inputs(x)  # [N, heads, nope + rope], [N, kv_rank + rope]
-        if rope_tables is None and self.fused_kernels_apply(x):
+        return self.rope_and_store(q, kv, self.nope_dim, rope, rope_tables, batch, kv_cache)
+
+    def rope_and_store(
+        self,
+        q: torch.Tensor,  # [N, heads, lead + rope] (rope part not rotated; last dim contiguous)
+        kv: torch.Tensor,  # [N, kv_rank + rope] kv_a_proj_with_mqa's output (last dim contiguous)
+        lead: int,  # the width of each head's query before its rope part
+        rope: RotaryEmbedding,
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q[..., :lead], rotated q_rope [N, heads, rope]
+        """The queries' rope parts rotated, and the tokens' latent entries [normalised c_kv |
+        rotated k_rope] written to the cache (``lead`` is ``nope_dim``, or ``kv_rank`` for the
+        drafting forward's queries already in latent space)."""
+        norm = self.kv_a_layernorm
+        if rope_tables is None and self.fused_kernels_apply(q):
             from engine.kernels.fused_layers import rope_and_store_latent
 
             q_rope = rope_and_store_latent(
                 q, kv, norm.weight, norm.eps, batch.positions, rope.inv_freq, rope.attention_factor,
-                kv_cache, batch.slot_mapping, self.nope_dim, rope.interleave,
+                kv_cache, batch.slot_mapping, lead, rope.interleave,
             )  # one launch for cos/sin, the rotations, the norm and the cache write
-            return q[..., : self.nope_dim], q_rope
-        cos, sin = rope_tables if rope_tables is not None else rope.cos_sin(batch.positions, x.dtype)
-        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
+            return q[..., :lead], q_rope
+        cos, sin = rope_tables if rope_tables is not None else rope.cos_sin(batch.positions, q.dtype)
+        q_nope, q_rope = q[..., :lead], q[..., lead:]
         c_kv, k_rope = norm(kv[..., : self.kv_rank]), kv[..., self.kv_rank :]
         q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])
         k_rope = rope.rotate(k_rope, cos, sin)

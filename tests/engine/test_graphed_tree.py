@@ -465,3 +465,27 @@ def test_static_paths_build_and_decode_with_a_short_context(small_vocab_dir: Pat
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
     assert eng.kv_blocks_used == len(set(eng.static_scratch_blocks))
+
+
+def test_the_drafting_layer_drafts_the_layer_paths_trees(small_vocab_lora_dir: Path) -> None:
+    """The MTP modules' drafting forward (absorbed weights, fused GEMMs: on CPU their PyTorch
+    form) computes the layer path's function: in float32 the same trees, so the same accepted
+    tokens at every step, and the autoregressive output."""
+    spec = SPECS[0]
+    base = LLMEngine.from_pretrained(small_vocab_lora_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    layer_path, _ = _engine(small_vocab_lora_dir, spec)
+    assert layer_path.graphed_tree is not None and not layer_path.graphed_tree.draft_layers
+    eng, calls = _engine(small_vocab_lora_dir, spec, EngineConfig(cuda_graphs=True, drafting_layer=True))
+    runner = eng.graphed_tree
+    assert runner is not None and sorted(runner.draft_layers) == [1, 2, 3]
+    forwards: list[int] = []
+    for draft in runner.draft_layers.values():
+        forward = draft.forward
+        draft.forward = lambda x, *a, f=forward: forwards.append(x.shape[0]) or f(x, *a)  # type: ignore[method-assign]
+    outs = eng.generate(PROMPTS, GREEDY)
+    want = layer_path.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base] == [w.token_ids for w in want]
+    assert calls and len(forwards) >= len(calls) * 3
+    for got, ref in zip(outs, want, strict=True):
+        assert got.stats.accepted_per_position == ref.stats.accepted_per_position
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0

@@ -12,6 +12,12 @@ from torch.testing import assert_close
 from engine.attention import paged_mla_attention, paged_mla_attention_reference
 from engine.kv.compaction import compact_and_zero
 from tests.engine.kernels.cases import make_case
+from tests.engine.kernels.draft_cases import (
+    GPU_LINEAR_CASES,
+    LINEAR_CASES,
+    check_draft_layer,
+    check_fused_linear,
+)
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
     check_add_rms_norm,
@@ -187,3 +193,15 @@ def test_graphed_tree_step_with_the_fused_bookkeeping_decodes_like_the_unfused_o
                2.0: "acceptance counts differ from the unfused step's",
                3.0: "the graphed step did not carry the decode", 4.0: "padding left scratch entries"}
     assert code == 0, reasons.get(code, code)
+
+
+@pytest.mark.parametrize("name", [*LINEAR_CASES, *GPU_LINEAR_CASES])
+def test_fused_linear_matches_its_reference_on_gpu(name: str) -> None:
+    err, tol = check_fused_linear(name, "cuda")
+    assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drafting_layer_computes_the_mtp_layer_on_gpu(dtype: torch.dtype) -> None:
+    err, tol = check_draft_layer("cuda", dtype, fused=True)
+    assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
