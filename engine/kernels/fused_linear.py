@@ -96,9 +96,14 @@ def fused_linear(
     eps: float = 1e-6,
     residual: Tensor | None = None,  # [M, N] (last dim contiguous): added to the output
     gated: bool = False,  # silu(x @ gate.T) * (x @ up.T)
+    *,
+    block_n: int | None = None,
     block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> Tensor:  # [M, N] in x's dtype
-    """``fused_linear_torch`` in one Triton launch (see the module docstring)."""
+    """``fused_linear_torch`` in one Triton launch (see the module docstring); the keywords are
+    tuning knobs (``scripts/fused_linear_tune.py``), None: ``_tiles``."""
     M, K = x.shape
     rows = weight.shape[0]
     N = rows // 2 if gated else rows
@@ -108,7 +113,8 @@ def fused_linear(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    block_m, block_n = _tiles(M, N, x.device)
+    block_m, tile_n = _tiles(M, N, x.device)
+    block_n = tile_n if block_n is None else block_n
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
     _fused_linear_kernel[grid](
         x, weight, norm_weight if norm_weight is not None else weight,
@@ -117,7 +123,7 @@ def fused_linear(
         out.stride(0), eps,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, GATED=gated,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
