@@ -6,25 +6,26 @@ rows per sequence. Its GEMMs are latency-bound on an H200 (~3.5-4 us each at 8 r
 the small kernels between them: the RMSNorm before each projection, the residual add and the
 SwiGLU product (~1.3 us each plus the gap between launches). Here they ride inside the GEMM:
 
-- ``norm_weight``: the rows are RMS-normalised first. The norm is a per-row scale, so the K loop
-  multiplies ``x * norm_weight`` and sums ``x * x`` alongside the dot product, and the
-  accumulator is scaled by ``rsqrt(mean(x^2) + eps)`` at the end: no pass over the row before
-  the loop, and no normalised copy in memory.
+- ``rms_eps``: the rows are RMS-normalised first. The norm is a per-row scale and its weight a
+  per-column scale of ``weight`` (``fold_norm``, once at build), so the K loop only sums
+  ``x * x`` beside the dot product (the dot's operand stays as loaded: modifying it cost the
+  pipelined loads, 7 against 3.6 us on the H200) and the accumulator is scaled by
+  ``rsqrt(mean(x^2) + eps)`` at the end.
 - ``residual``: added to the output tile before it is stored.
-- ``gated``: ``weight`` holds gate rows then up rows (``[2N, K]``, as ``fuse_rows`` lays out the
-  MLP's gate and up projections); the tile computes both and stores ``silu(gate) * up``.
+- ``gated``: ``weight`` holds gate and up rows interleaved (``interleave_gate_up``); one dot
+  computes both for a tile, which stores ``silu(gate) * up``.
 
-Rounding differs from the PyTorch path (one rounding to the dtype at the store, and the norm's
-weight applied before the product rather than after a rounding of the normalised row), which
+Rounding differs from the PyTorch path (one rounding to the dtype at the store, the norm's
+weight folded into the matrix), which
 is why only the drafting forward uses it: a draft's numerics change which tokens are proposed,
-never which are accepted. ``fused_linear_torch`` is the same computation in float32 PyTorch
-(the reference of the tests, and the path without a GPU).
+never which are accepted. ``engine.model.draft_layer.fused_linear_torch`` is the same
+computation in float32 PyTorch (the reference of the tests, and the path without a GPU), next
+to ``fold_norm`` and ``interleave_gate_up``, which lay the weights out.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -32,7 +33,7 @@ from torch import Tensor
 
 @triton.jit
 def _fused_linear_kernel(
-    x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr,  # [M, K], [N or 2N, K], [K], [M, N], [M, N]
+    x_ptr, w_ptr, res_ptr, out_ptr,  # [M, K], [N or 2N, K], [M, N], [M, N]
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -40,40 +41,35 @@ def _fused_linear_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok = offs_m < M
-    n_ok = offs_n < N
-    dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Gated: the tile's weight rows are 2 * BLOCK_N interleaved (gate j, up j) rows.
+    W_ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    offs_w = pid_n * W_ROWS + tl.arange(0, W_ROWS)  # [WR]
+    w_ok = offs_w < (2 * N if GATED else N)
+    acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
+    w_cols = w_ptr + offs_w.to(tl.int64)[None, :] * stride_wn  # [1, WR]
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        if NORM:
+        if NORM:  # only read: the dot's operand stays as loaded
             xf = x.to(tl.float32)
             sq += tl.sum(xf * xf, axis=1)
-            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(dtype)
-        w_ok = k_ok[:, None] & n_ok[None, :]
-        w = tl.load(w_cols + offs_k[:, None], mask=w_ok, other=0.0)  # [BK, BN]
+        w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & w_ok[None, :], other=0.0)  # [BK, WR]
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = tl.load(w_cols + N * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)  # [BK, BN]
-            up = tl.dot(x, wu, up, input_precision=DOT_PRECISION)
     if NORM:
-        rstd = tl.rsqrt(sq / K + eps)[:, None]  # [BM, 1]
-        acc = acc * rstd
-        up = up * rstd
+        acc = acc * tl.rsqrt(sq / K + eps)[:, None]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * up
-    out_ok = m_ok[:, None] & n_ok[None, :]
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))  # [BM, BN] each
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    out_ok = m_ok[:, None] & (offs_n < N)[None, :]
     if RESIDUAL:
         res = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :], mask=out_ok, other=0.0)
         acc += res.to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
 
 
@@ -91,9 +87,8 @@ def _tiles(M: int, N: int, device: torch.device) -> tuple[int, int]:
 
 def fused_linear(
     x: Tensor,  # [M, K] (last dim contiguous; any row stride)
-    weight: Tensor,  # [N, K], or [2N, K] gate rows then up rows when gated (contiguous)
-    norm_weight: Tensor | None = None,  # [K]: RMS-normalise the rows first
-    eps: float = 1e-6,
+    weight: Tensor,  # [N, K], or [2N, K] gate/up rows interleaved when gated (contiguous)
+    rms_eps: float | None = None,  # RMS-normalise the rows first (the norm weight folded in)
     residual: Tensor | None = None,  # [M, N] (last dim contiguous): added to the output
     gated: bool = False,  # silu(x @ gate.T) * (x @ up.T)
     *,
@@ -117,33 +112,11 @@ def fused_linear(
     block_n = tile_n if block_n is None else block_n
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
     _fused_linear_kernel[grid](
-        x, weight, norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else out, out,
+        x, weight, residual if residual is not None else out, out,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-        out.stride(0), eps,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, GATED=gated,
+        out.stride(0), 0.0 if rms_eps is None else rms_eps,
+        NORM=rms_eps is not None, RESIDUAL=residual is not None, GATED=gated,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
-
-
-def fused_linear_torch(
-    x: Tensor,  # [M, K]
-    weight: Tensor,  # [N, K] or [2N, K] when gated
-    norm_weight: Tensor | None = None,
-    eps: float = 1e-6,
-    residual: Tensor | None = None,  # [M, N]
-    gated: bool = False,
-) -> Tensor:  # [M, N] in x's dtype
-    """``fused_linear``'s computation in float32 PyTorch, rounded once at the end."""
-    h = x.float()
-    if norm_weight is not None:
-        h = F.rms_norm(h, (h.shape[-1],), eps=eps) * norm_weight.float()
-    y = h @ weight.float().t()  # [M, N or 2N]
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    if residual is not None:
-        y = y + residual.float()
-    return y.to(x.dtype)

@@ -5,7 +5,8 @@ sequence; on an H200 a depth of the ``gpu`` preset took ~78 us in ~20 kernels, m
 latency-bound (session 35). This forward computes the same function as
 ``DeepseekV3ForCausalLM.forward_mtp_fused`` from the module's fused input (after ``eh_proj``):
 
-1. ``qkv_a = rms_norm(x) @ [W_qa; W_kva]^T``: the input norm inside the GEMM (``fused_linear``);
+1. ``qkv_a = rms_norm(x) @ [W_qa; W_kva]^T``: the input norm inside the GEMM (``fused_linear``;
+   every norm's weight is folded into the matrix after it);
 2. ``q = rms_norm(q_a) @ W_q^T`` with ``W_q`` the query projection with W_UK absorbed: its
    no-rope part of each head is already in latent space (``W_UK[h]^T @ W_qb_nope[h]``), so no
    ``q_nope @ W_UK`` afterwards;
@@ -27,6 +28,8 @@ MLP modules with a query LoRA only (the DeepSeek-V3 layout; MoE modules keep the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from engine.kernels import use_fused_kernels
 from engine.model.attention_batch import AttentionBatch
@@ -41,9 +44,37 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, fused: bool, **kwargs: object
         from engine.kernels.fused_linear import fused_linear
 
         return fused_linear(x, weight, **kwargs)  # type: ignore[arg-type]
-    from engine.kernels.fused_linear import fused_linear_torch
-
     return fused_linear_torch(x, weight, **kwargs)  # type: ignore[arg-type]
+
+
+def fold_norm(weight: Tensor, norm_weight: Tensor) -> Tensor:
+    """``weight`` [N, K] with an RMSNorm's weight [K] folded into its columns (float32 product,
+    rounded once): ``rms_norm(x) * norm_weight @ weight.T == rms_norm(x) @ fold_norm(...).T``."""
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype).contiguous()
+
+
+def interleave_gate_up(gate: Tensor, up: Tensor) -> Tensor:
+    """[I, K] x2 -> [2I, K] rows gate 0, up 0, gate 1, up 1, ... (the gated layout)."""
+    return torch.stack([gate, up], 1).reshape(-1, gate.shape[1]).contiguous()
+
+
+def fused_linear_torch(
+    x: Tensor,  # [M, K]
+    weight: Tensor,  # [N, K] or [2N, K] gate/up rows interleaved when gated
+    rms_eps: float | None = None,
+    residual: Tensor | None = None,  # [M, N]
+    gated: bool = False,
+) -> Tensor:  # [M, N] in x's dtype
+    """``fused_linear``'s computation in float32 PyTorch, rounded once at the end."""
+    h = x.float()
+    if rms_eps is not None:
+        h = F.rms_norm(h, (h.shape[-1],), eps=rms_eps)
+    y = h @ weight.float().t()  # [M, N or 2N]
+    if gated:
+        y = F.silu(y[:, 0::2]) * y[:, 1::2]
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
 
 
 def absorbed_query_weight(attn: MultiHeadLatentAttention) -> torch.Tensor:
@@ -73,10 +104,12 @@ class DraftLayer:
         self.layer = layer
         dtype = attn.q_b_proj.weight.dtype
         with torch.no_grad():
-            self.qkv_a = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]).contiguous()
-            self.q = absorbed_query_weight(attn).to(dtype)
+            qkv_a = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight])
+            self.qkv_a = fold_norm(qkv_a, layer.input_layernorm.weight)
+            self.q = fold_norm(absorbed_query_weight(attn), attn.q_a_layernorm.weight).to(dtype)
             self.o = absorbed_output_weight(attn).to(dtype)
-            self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+            gate_up = interleave_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight)
+            self.gate_up = fold_norm(gate_up, layer.post_attention_layernorm.weight)
             self.down = mlp.down_proj.weight.detach().contiguous()
 
     @staticmethod
@@ -98,15 +131,13 @@ class DraftLayer:
         attn = layer.self_attn
         fused = use_fused_kernels(x) if fused is None else fused
         M, lora, rank = x.shape[0], attn.q_lora_rank, attn.kv_rank
-        norm = layer.input_layernorm
-        qkv_a = _linear(x, self.qkv_a, fused, norm_weight=norm.weight, eps=norm.eps)  # [M, lora + rank + rope]
-        norm = attn.q_a_layernorm
-        q = _linear(qkv_a[:, :lora], self.q, fused, norm_weight=norm.weight, eps=norm.eps)
+        qkv_a = _linear(x, self.qkv_a, fused, rms_eps=layer.input_layernorm.eps)  # [M, lora + rank + rope]
+        q = _linear(qkv_a[:, :lora], self.q, fused, rms_eps=attn.q_a_layernorm.eps)
         q = q.view(M, attn.num_heads, rank + attn.rope_dim)  # [M, heads, rank + rope]
         q_latent, q_rope = attn.rope_and_store(q, qkv_a[:, lora:], rank, rope, None, batch, kv_cache)
         out_latent = attn.attend(q_latent, q_rope, batch, kv_cache)  # [M, heads, rank]
         x = _linear(out_latent.reshape(M, -1), self.o, fused, residual=x)  # [M, H]
-        norm = layer.post_attention_layernorm
-        act = _linear(x, self.gate_up, fused, norm_weight=norm.weight, eps=norm.eps, gated=True)  # [M, I]
+        eps = layer.post_attention_layernorm.eps
+        act = _linear(x, self.gate_up, fused, rms_eps=eps, gated=True)  # [M, I]
         x = _linear(act, self.down, fused, residual=x)  # [M, H]
         return layer.shared_head.norm(x)

@@ -1,8 +1,8 @@
 """The drafting forward's pieces against their references, on CPU and on the GPU.
 
 - ``check_fused_linear(name, device)``: ``fused_linear`` (Triton; interpreted on CPU) against
-  ``fused_linear_torch``, which is checked against plain PyTorch ops first (norm, residual,
-  SwiGLU, a strided input).
+  ``fused_linear_torch``, which is checked against plain PyTorch ops first on the weights
+  before ``fold_norm`` / ``interleave_gate_up`` (norm, residual, SwiGLU, a strided input).
 - ``check_draft_layer(device, dtype, fused)``: ``DraftLayer.forward`` (its GEMMs as Triton
   kernels or as ``fused_linear_torch``) against the model's own
   layer-by-layer MTP forward (``forward_mtp_fused``) on random weights and a paged cache with
@@ -43,26 +43,27 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 def check_fused_linear(name: str, device: str) -> tuple[float, float]:
-    from engine.kernels.fused_linear import fused_linear, fused_linear_torch
+    from engine.kernels.fused_linear import fused_linear
+    from engine.model.draft_layer import fold_norm, fused_linear_torch, interleave_gate_up
 
     dtype, M, N, K, norm, residual, gated, strided = {**LINEAR_CASES, **GPU_LINEAR_CASES}[name]
-    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
     wide = torch.randn(M, K + 7, generator=gen) * 3
     x = wide[:, 3 : 3 + K] if strided else wide[:, :K].contiguous()  # [M, K]
-    weight = torch.randn(2 * N if gated else N, K, generator=gen) / K**0.5
-    norm_w = torch.rand(K, generator=gen) + 0.5 if norm else None
+    gate, up = torch.randn(2, N, K, generator=gen) / K**0.5
+    norm_w = torch.rand(K, generator=gen) + 0.5
     res = torch.randn(M, N, generator=gen) if residual else None
-    # The reference itself against plain ops (float32, on CPU).
-    h = F.rms_norm(x, (K,), eps=1e-6) * norm_w if norm_w is not None else x
-    y = h @ weight.t()
-    y = F.silu(y[:, :N]) * y[:, N:] if gated else y
+    # Plain ops on CPU in float32: what the kernel's weight layout must compute.
+    h = F.rms_norm(x, (K,), eps=1e-6) * norm_w if norm else x
+    y = F.silu(h @ gate.t()) * (h @ up.t()) if gated else h @ gate.t()
     y = y + res if res is not None else y
-    ref = fused_linear_torch(x, weight, norm_w, 1e-6, res, gated)
-    err = _rel(ref, y)
+    weight = interleave_gate_up(gate, up) if gated else gate
+    weight = fold_norm(weight, norm_w) if norm else weight
+    eps = 1e-6 if norm else None
+    err = _rel(fused_linear_torch(x, weight, eps, res, gated), y)
     on = {"device": device, "dtype": dtype}
     x_dev = (wide.to(**on)[:, 3 : 3 + K]) if strided else x.to(**on)  # type: ignore[arg-type]
-    args = (weight.to(**on), None if norm_w is None else norm_w.to(**on), 1e-6,  # type: ignore[arg-type]
-            None if res is None else res.to(**on), gated)  # type: ignore[arg-type]
+    args = (weight.to(**on), eps, None if res is None else res.to(**on), gated)  # type: ignore[arg-type]
     want = fused_linear_torch(x_dev, *args)
     got = fused_linear(x_dev, *args)
     return max(err, _rel(got, want)), _tol(dtype)
