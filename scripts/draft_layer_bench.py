@@ -101,7 +101,7 @@ def main() -> None:
             x = torch.randn(seqs * args.rows, cfg.hidden_size, device=device, dtype=torch.bfloat16)
             layer_cache = cache[model.mtp_cache_layer(1)]
             want = model.forward_mtp_fused(1, x, batch, cache)
-            got = draft.forward(x, model.rope, batch, layer_cache)
+            got = draft.forward(x.clone(), model.rope, batch, layer_cache)  # (updates its input)
             diff = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             layer_path = partial(model.forward_mtp_fused, 1, x, batch, cache)
             drafting = partial(draft.forward, x, model.rope, batch, layer_cache)

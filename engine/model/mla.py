@@ -102,20 +102,26 @@ class MultiHeadLatentAttention(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_rank + rope] this layer's cache
     ) -> torch.Tensor:
         q_nope, q_rope = self._rope_and_store_latent(x, rope, rope_tables, batch, kv_cache)
-        w_uk, w_uv = self._absorb_weights()
+        w_uk, _ = self._absorb_weights()
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)  # [N, heads, kv_rank]
         out_latent = self.attend(q_latent, q_rope, batch, kv_cache)  # [N, heads, kv_rank]
+        return self.o_proj(self.values(out_latent))
+
+    def values(self, out_latent: torch.Tensor) -> torch.Tensor:  # [N, heads, kv_rank] -> [N, heads * v]
+        """The attention's latent output mapped back per head by W_UV (``o_proj``'s input)."""
+        _, w_uv = self._absorb_weights()
         # einsum("nhr,hvr->nhv") is a batched GEMM over heads whose [heads, N, v] result is
         # copied into [N, heads, v] for o_proj whenever N > 1 (a kernel per layer, 18 of a batch-1
         # tree step's ~345 on the H200); written through a transposed view, the GEMM stores it
         # there itself (cuBLAS takes the row stride heads * v).
         # (Under autograd, where out= is not allowed, the einsum stays.)
+        n = out_latent.shape[0]
         if torch.is_grad_enabled() and (out_latent.requires_grad or w_uv.requires_grad):
             out = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)  # [N, heads, v]
         else:
-            out = out_latent.new_empty(x.shape[0], self.num_heads, self.v_dim)  # [N, heads, v]
+            out = out_latent.new_empty(n, self.num_heads, self.v_dim)  # [N, heads, v]
             torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
+        return out.reshape(n, self.num_heads * self.v_dim)
 
     def attend(
         self,
@@ -160,33 +166,18 @@ class MultiHeadLatentAttention(nn.Module):
         ``rope_tables`` None (see ``DeepseekV3ForCausalLM._rope_tables``): the fused kernel
         computes cos/sin where it applies, else they are computed here.
         """
-        q, kv = self._project_inputs(x)  # [N, heads, nope + rope], [N, kv_rank + rope]
-        return self.rope_and_store(q, kv, self.nope_dim, rope, rope_tables, batch, kv_cache)
-
-    def rope_and_store(
-        self,
-        q: torch.Tensor,  # [N, heads, lead + rope] (rope part not rotated; last dim contiguous)
-        kv: torch.Tensor,  # [N, kv_rank + rope] kv_a_proj_with_mqa's output (last dim contiguous)
-        lead: int,  # the width of each head's query before its rope part
-        rope: RotaryEmbedding,
-        rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
-        batch: AttentionBatch,
-        kv_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # q[..., :lead], rotated q_rope [N, heads, rope]
-        """The queries' rope parts rotated, and the tokens' latent entries [normalised c_kv |
-        rotated k_rope] written to the cache (``lead`` is ``nope_dim``, or ``kv_rank`` for the
-        drafting forward's queries already in latent space)."""
         norm = self.kv_a_layernorm
-        if rope_tables is None and self.fused_kernels_apply(q):
+        q, kv = self._project_inputs(x)  # [N, heads, nope + rope], [N, kv_rank + rope]
+        if rope_tables is None and self.fused_kernels_apply(x):
             from engine.kernels.fused_layers import rope_and_store_latent
 
             q_rope = rope_and_store_latent(
                 q, kv, norm.weight, norm.eps, batch.positions, rope.inv_freq, rope.attention_factor,
-                kv_cache, batch.slot_mapping, lead, rope.interleave,
+                kv_cache, batch.slot_mapping, self.nope_dim, rope.interleave,
             )  # one launch for cos/sin, the rotations, the norm and the cache write
-            return q[..., :lead], q_rope
-        cos, sin = rope_tables if rope_tables is not None else rope.cos_sin(batch.positions, q.dtype)
-        q_nope, q_rope = q[..., :lead], q[..., lead:]
+            return q[..., : self.nope_dim], q_rope
+        cos, sin = rope_tables if rope_tables is not None else rope.cos_sin(batch.positions, x.dtype)
+        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
         c_kv, k_rope = norm(kv[..., : self.kv_rank]), kv[..., self.kv_rank :]
         q_rope = rope.rotate(q_rope, cos[:, None, :], sin[:, None, :])
         k_rope = rope.rotate(k_rope, cos, sin)

@@ -1,5 +1,5 @@
-"""The MTP modules' drafting forward (engine/model/draft_layer.py) on CPU: the absorbed weights
-and the fused GEMMs' PyTorch form compute the module's layer-by-layer forward."""
+"""The MTP modules' drafting forward (engine/model/draft_layer.py) on CPU: its absorbed and folded
+weights and its kernels' PyTorch forms compute the module's layer-by-layer forward."""
 
 from __future__ import annotations
 
@@ -20,11 +20,18 @@ def test_absorbed_weights_have_the_latent_shapes() -> None:
     attn = layer.self_attn
     draft = DraftLayer(layer)
     assert draft.q.shape == (attn.num_heads * (attn.kv_rank + attn.rope_dim), attn.q_lora_rank)
-    assert draft.o.shape == (model.config.hidden_size, attn.num_heads * attn.kv_rank)
-    # The rope rows of each head are q_b_proj's own, unchanged.
+    # The rope rows of each head are q_b_proj's own with the query norm's weight folded in.
     rope_rows = draft.q.view(attn.num_heads, -1, attn.q_lora_rank)[:, attn.kv_rank :]
     own = attn.q_b_proj.weight.view(attn.num_heads, -1, attn.q_lora_rank)[:, attn.nope_dim :]
-    assert torch.equal(rope_rows, own)
+    assert torch.allclose(rope_rows, own * attn.q_a_layernorm.weight, rtol=1e-6, atol=0)
+    # The latent rows map the normalised q_a (before the norm's weight) as q_nope then W_UK would.
+    q_a = torch.randn(3, attn.q_lora_rank)
+    q_nope = ((q_a * attn.q_a_layernorm.weight) @ attn.q_b_proj.weight.t()).view(3, attn.num_heads, -1)
+    q_nope = q_nope[..., : attn.nope_dim]
+    w_uk = attn.kv_b_proj.weight.view(attn.num_heads, -1, attn.kv_rank)[:, : attn.nope_dim]
+    want = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+    got = (q_a @ draft.q.t()).view(3, attn.num_heads, -1)[..., : attn.kv_rank]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_layers_without_a_query_lora_or_with_experts_keep_the_layer_path() -> None:

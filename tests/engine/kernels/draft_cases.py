@@ -1,10 +1,10 @@
 """The drafting forward's pieces against their references, on CPU and on the GPU.
 
-- ``check_fused_linear(name, device)``: ``fused_linear`` (Triton; interpreted on CPU) against
-  ``fused_linear_torch``, which is checked against plain PyTorch ops first on the weights
-  before ``fold_norm`` / ``interleave_gate_up`` (norm, residual, SwiGLU, a strided input).
-- ``check_draft_layer(device, dtype, fused)``: ``DraftLayer.forward`` (its GEMMs as Triton
-  kernels or as ``fused_linear_torch``) against the model's own
+- ``check_draft_rope`` / ``check_scaled_silu_mul(device, dtype)``: the drafting layer's Triton
+  kernels (interpreted on CPU) against their PyTorch forms, which are checked first against
+  the layer path's operations they replace;
+- ``check_draft_layer(device, dtype, fused)``: ``DraftLayer.forward`` (with its Triton kernels
+  or their PyTorch forms) against the model's own
   layer-by-layer MTP forward (``forward_mtp_fused``) on random weights and a paged cache with
   committed entries: the hidden states and every cache entry written.
 
@@ -16,23 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# name -> (dtype, M, N, K, norm, residual, gated, strided input)
-LINEAR_CASES: dict[str, tuple[torch.dtype, int, int, int, bool, bool, bool, bool]] = {
-    "fp32_plain": (torch.float32, 5, 40, 72, False, False, False, False),
-    "fp32_norm_strided": (torch.float32, 17, 24, 150, True, False, False, True),
-    "fp32_residual_k_tail": (torch.float32, 3, 33, 200, False, True, False, False),
-    "fp32_norm_gated": (torch.float32, 9, 48, 64, True, False, True, False),
-    "fp16_norm_gated_residual": (torch.float16, 40, 80, 96, True, True, True, False),
-}
-# bfloat16 only compiled (the interpreter's tl.dot mishandles it): the gpu preset's shapes.
-GPU_LINEAR_CASES: dict[str, tuple[torch.dtype, int, int, int, bool, bool, bool, bool]] = {
-    "bf16_qkv_a_norm": (torch.bfloat16, 8, 672, 768, True, False, False, False),
-    "bf16_q_norm_strided": (torch.bfloat16, 40, 3456, 384, True, False, False, True),
-    "bf16_o_residual": (torch.bfloat16, 264, 768, 3072, False, True, False, False),
-    "bf16_gate_up": (torch.bfloat16, 8, 2048, 768, True, False, True, False),
-    "bf16_down_residual": (torch.bfloat16, 1000, 768, 2048, False, True, False, False),
-}
-
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
@@ -42,31 +25,66 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
-def check_fused_linear(name: str, device: str) -> tuple[float, float]:
-    from engine.kernels.fused_linear import fused_linear
-    from engine.model.draft_layer import fold_norm, fused_linear_torch, interleave_gate_up
+def check_draft_rope(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """``draft_rope_and_store`` against ``draft_rope_and_store_torch``, which is checked first
+    against the layer path's pieces on normalised inputs (float32, on CPU): the input norm's
+    scale reaching ``k_rope`` only, the query norm's reaching both query parts. Cache slots the
+    kernel must not touch hold garbage and are compared too."""
+    from engine.kernels.draft_layer_kernels import draft_rope_and_store
+    from engine.model.config import ModelConfig
+    from engine.model.draft_layer import draft_rope_and_store_torch
+    from engine.model.rope import RotaryEmbedding
 
-    dtype, M, N, K, norm, residual, gated, strided = {**LINEAR_CASES, **GPU_LINEAR_CASES}[name]
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    wide = torch.randn(M, K + 7, generator=gen) * 3
-    x = wide[:, 3 : 3 + K] if strided else wide[:, :K].contiguous()  # [M, K]
-    gate, up = torch.randn(2, N, K, generator=gen) / K**0.5
-    norm_w = torch.rand(K, generator=gen) + 0.5
-    res = torch.randn(M, N, generator=gen) if residual else None
-    # Plain ops on CPU in float32: what the kernel's weight layout must compute.
-    h = F.rms_norm(x, (K,), eps=1e-6) * norm_w if norm else x
-    y = F.silu(h @ gate.t()) * (h @ up.t()) if gated else h @ gate.t()
-    y = y + res if res is not None else y
-    weight = interleave_gate_up(gate, up) if gated else gate
-    weight = fold_norm(weight, norm_w) if norm else weight
-    eps = 1e-6 if norm else None
-    err = _rel(fused_linear_torch(x, weight, eps, res, gated), y)
+    heads, R, P, lora, H, n = 3, 40, 16, 24, 56, 6
+    cfg = ModelConfig.from_hf_dict({"model_type": "deepseek_v3", "hidden_size": H, "num_attention_heads": heads,
+                                    "qk_nope_head_dim": 8, "qk_rope_head_dim": P, "kv_lora_rank": R,
+                                    "v_head_dim": 8, "vocab_size": 16, "num_hidden_layers": 1,
+                                    "intermediate_size": 32, "rope_interleave": True})  # fmt: skip
+    rope = RotaryEmbedding(cfg)
+    gen = torch.Generator().manual_seed(21)
+    x, a = torch.randn(n, H, generator=gen) * 3, torch.randn(n, lora + R + P, generator=gen)
+    qp = torch.randn(n, heads, R + P, generator=gen)
+    kv_w = torch.rand(R, generator=gen) + 0.5
+    positions = torch.randint(0, 500, (n,), generator=gen)
+    slots = torch.randperm(32, generator=gen)[:n]
+    cache = torch.full((4, 8, R + P), 77.0)
+    # The reference against the layer path's own operations (what the folded weights stand for).
+    ref_cache = cache.clone()
+    q_lat, q_rope = draft_rope_and_store_torch(qp, a, x, 1e-6, 1e-6, kv_w, 1e-6, rope, positions, ref_cache, slots)
+    s_x = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    s_q = torch.rsqrt(a[:, :lora].pow(2).mean(-1, keepdim=True) + 1e-6)[:, :, None]
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    c = a[:, lora : lora + R]
+    entry = torch.cat([kv_w * F.rms_norm(c, (R,), eps=1e-6), rope.rotate(a[:, lora + R :] * s_x, cos, sin)], -1)
+    want_cache = cache.clone()
+    want_cache.view(-1, R + P)[slots] = entry
+    err = max(_rel(q_lat, qp[..., :R] * s_q), _rel(q_rope, rope.rotate(qp[..., R:] * s_q, cos[:, None], sin[:, None])),
+              _rel(ref_cache, want_cache))  # fmt: skip
     on = {"device": device, "dtype": dtype}
-    x_dev = (wide.to(**on)[:, 3 : 3 + K]) if strided else x.to(**on)  # type: ignore[arg-type]
-    args = (weight.to(**on), eps, None if res is None else res.to(**on), gated)  # type: ignore[arg-type]
-    want = fused_linear_torch(x_dev, *args)
-    got = fused_linear(x_dev, *args)
-    return max(err, _rel(got, want)), _tol(dtype)
+    dev_cache = cache.to(**on)  # type: ignore[arg-type]
+    rope = rope.to(device)
+    args = (qp.to(**on), a.to(**on), x.to(**on), 1e-6, 1e-6, kv_w.to(**on), 1e-6)  # type: ignore[arg-type]
+    want_cache = dev_cache.clone()
+    want = draft_rope_and_store_torch(*args, rope, positions.to(device), want_cache, slots.to(device))
+    got = draft_rope_and_store(*args, positions.to(device), rope.inv_freq, rope.attention_factor, rope.interleave,
+                               dev_cache, slots.to(device))  # fmt: skip
+    err = max(err, _rel(got[0], want[0]), _rel(got[1], want[1]), _rel(dev_cache, want_cache))
+    return err, _tol(dtype)
+
+
+def check_scaled_silu_mul(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """``scaled_silu_mul`` against its PyTorch form, itself against the norm then the SwiGLU."""
+    from engine.kernels.draft_layer_kernels import scaled_silu_mul
+    from engine.model.draft_layer import scaled_silu_mul_torch
+
+    gen = torch.Generator().manual_seed(22)
+    x, w = torch.randn(5, 48, generator=gen) * 2, torch.randn(2 * 72, 48, generator=gen) / 7
+    gate_up = x @ w.t()  # [5, 144] the raw GEMM
+    gate, up = (F.rms_norm(x, (48,), eps=1e-6) @ w.t()).chunk(2, -1)
+    err = _rel(scaled_silu_mul_torch(gate_up, x, 1e-6), F.silu(gate) * up)
+    on = {"device": device, "dtype": dtype}
+    g, xs = gate_up.to(**on), x.to(**on)  # type: ignore[arg-type]
+    return max(err, _rel(scaled_silu_mul(g, xs, 1e-6), scaled_silu_mul_torch(g, xs, 1e-6))), _tol(dtype)
 
 
 def _draft_model(device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -117,6 +135,6 @@ def check_draft_layer(device: str, dtype: torch.dtype, fused: bool) -> tuple[flo
         batch_again = AttentionBatch(**{k: getattr(batch, k) for k in (
             "positions", "slot_mapping", "block_tables", "ctx_lens", "query_start", "new_mask",
             "query_ctx_lens")})  # a fresh memo  # fmt: skip
-        got = DraftLayer(layer).forward(x, model.rope, batch_again, cache[layer_index], fused=fused)
+        got = DraftLayer(layer).forward(x.clone(), model.rope, batch_again, cache[layer_index], fused=fused)
     err = max(_rel(got, want), _rel(cache, want_cache))
     return err, 1e-4 if dtype == torch.float32 else 4e-2

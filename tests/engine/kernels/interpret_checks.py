@@ -27,7 +27,11 @@ from tests.engine.kernels.accept_cases import (
     check_logprob_topk,
 )
 from tests.engine.kernels.commit_cases import check_tree_commit
-from tests.engine.kernels.draft_cases import LINEAR_CASES, check_draft_layer, check_fused_linear
+from tests.engine.kernels.draft_cases import (
+    check_draft_layer,
+    check_draft_rope,
+    check_scaled_silu_mul,
+)
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
     check_add_rms_norm,
@@ -163,7 +167,9 @@ def run_all() -> dict[str, dict]:
         **{f"mtp_input/{k}": (lambda k=k: check_mtp_input(k, "cpu")) for k in INTERPRETED_FUSED},
         **{f"silu_mul/{k}": (lambda k=k: check_silu_mul(k, "cpu")) for k in INTERPRETED_FUSED},
         **{f"add_rms_norm/{k}": (lambda k=k: check_add_rms_norm(k, "cpu")) for k in INTERPRETED_FUSED},
-        **{f"fused_linear/{k}": (lambda k=k: check_fused_linear(k, "cpu")) for k in LINEAR_CASES},
+        "draft_layer/rope_fp32": lambda: check_draft_rope("cpu", torch.float32),
+        "draft_layer/rope_fp16": lambda: check_draft_rope("cpu", torch.float16),
+        "draft_layer/scaled_silu_mul_fp32": lambda: check_scaled_silu_mul("cpu", torch.float32),
         "draft_layer/fp32_fused": lambda: check_draft_layer("cpu", torch.float32, True),
         "accept/greedy_random_trees": lambda: check_accept_greedy("cpu"),
         "accept/logprob_topk": lambda: check_logprob_topk("cpu"),

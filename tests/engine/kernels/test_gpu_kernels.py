@@ -13,10 +13,9 @@ from engine.attention import paged_mla_attention, paged_mla_attention_reference
 from engine.kv.compaction import compact_and_zero
 from tests.engine.kernels.cases import make_case
 from tests.engine.kernels.draft_cases import (
-    GPU_LINEAR_CASES,
-    LINEAR_CASES,
     check_draft_layer,
-    check_fused_linear,
+    check_draft_rope,
+    check_scaled_silu_mul,
 )
 from tests.engine.kernels.fused_cases import (
     FUSED_CASES,
@@ -195,10 +194,11 @@ def test_graphed_tree_step_with_the_fused_bookkeeping_decodes_like_the_unfused_o
     assert code == 0, reasons.get(code, code)
 
 
-@pytest.mark.parametrize("name", [*LINEAR_CASES, *GPU_LINEAR_CASES])
-def test_fused_linear_matches_its_reference_on_gpu(name: str) -> None:
-    err, tol = check_fused_linear(name, "cuda")
-    assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drafting_layer_kernels_match_their_pytorch_forms_on_gpu(dtype: torch.dtype) -> None:
+    for check in (check_draft_rope, check_scaled_silu_mul):
+        err, tol = check("cuda", dtype)
+        assert err <= tol, (check.__name__, err, tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.kernels.draft_cases import LINEAR_CASES
 from tests.engine.kernels.interpret_checks import (
     ATTENTION_CASES,
     COMPACTION_CASES,
@@ -28,7 +27,7 @@ CASE_NAMES = [f"attention/{k}" for k in ATTENTION_CASES] + [
 ] + [f"{kind}/{k}" for kind in ("rms_norm", "rope_latent", "mtp_input", "silu_mul", "add_rms_norm") for k in INTERPRETED_FUSED] + [
     "accept/greedy_random_trees", "accept/logprob_topk", "accept/sampled_random_trees",
     "tree/grow_frontier", "tree/select", "tree/mtp_rows", "tree/commit_kv",
-] + [f"fused_linear/{k}" for k in LINEAR_CASES] + ["draft_layer/fp32_fused"] + [f"step_io/{k}" for k in ("step_start", "verify_inputs", "zero_cache_rows", "advance", "write_outputs",
+] + [f"draft_layer/{k}" for k in ("rope_fp32", "rope_fp16", "scaled_silu_mul_fp32", "fp32_fused")] + [f"step_io/{k}" for k in ("step_start", "verify_inputs", "zero_cache_rows", "advance", "write_outputs",
                               "mtp_input_parts", "engine_greedy")]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
