@@ -49,3 +49,10 @@ def test_layers_without_a_query_lora_or_with_experts_keep_the_layer_path() -> No
     assert not DraftLayer.supports(moe.mtp_layer(1))
     lora = DeepseekV3ForCausalLM(ModelConfig.from_hf_dict({**base, "q_lora_rank": 16, "first_k_dense_replace": 2}))
     assert DraftLayer.supports(lora.mtp_layer(1))
+
+
+def test_the_demo_model_decodes_its_autoregressive_tokens_through_the_drafting_layer() -> None:
+    from tests.engine.kernels.draft_cases import check_engine_with_drafting_layer
+
+    code, _ = check_engine_with_drafting_layer("cpu")
+    assert code == 0, code

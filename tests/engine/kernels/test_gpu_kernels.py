@@ -205,3 +205,12 @@ def test_the_drafting_layer_kernels_match_their_pytorch_forms_on_gpu(dtype: torc
 def test_the_drafting_layer_computes_the_mtp_layer_on_gpu(dtype: torch.dtype) -> None:
     err, tol = check_draft_layer("cuda", dtype, fused=True)
     assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+
+
+def test_greedy_decoding_with_the_drafting_layer_equals_autoregressive_on_gpu() -> None:
+    from tests.engine.kernels.draft_cases import check_engine_with_drafting_layer
+
+    code, _ = check_engine_with_drafting_layer("cuda")
+    reasons = {1.0: "a token differs from autoregressive decoding", 2.0: "the drafting layer did not serve",
+               3.0: "it accepted under 90% of the layer path's tokens"}  # fmt: skip
+    assert code == 0, reasons.get(code, code)
