@@ -30,6 +30,7 @@ from engine.launch_ahead import ARLaunch, may_continue, rows_within
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.model.draft_layer import DraftLayer, draft_layers
 from engine.model.loader import load_model, parse_dtype
 from engine.outputs import RequestOutput, ZeroEvent
 from engine.params import DEFAULT_PREFILL_CHUNK, EngineConfig, SamplingParams, SpecConfig
@@ -175,6 +176,7 @@ class LLMEngine:
         self.overlap_steps = device.type == "cuda" if overlap is None else overlap
         self._ahead: GraphedTreeStep | ARLaunch | None = None  # a step launched ahead (``_read_ahead``)
         self._ahead_since = 0.0  # perf_counter when it was launched: its turn starts there
+        self.draft_layers: dict[int, DraftLayer] = {}
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
@@ -187,10 +189,13 @@ class LLMEngine:
                     prefill_tokens=DEFAULT_PREFILL_TOKENS, prefill_chunk=chunk,
                 )  # fmt: skip
             if self.drafter is not None and self.budget.speculates:
+                # The MTP modules' drafting forward (engine/model/draft_layer.py), shared by the
+                # catch-up and every graphed tree step.
+                self.draft_layers = draft_layers(model, engine_config.drafting_layer)
                 with timer.stage("catch_up_graphs"):
                     self.drafter.static_catch_up = GraphedCatchUp(
                         model, self.pool, max_blocks, engine_config.max_batch_size,
-                        use_graphs=device.type == "cuda",
+                        use_graphs=device.type == "cuda", draft_layers=self.draft_layers,
                     )  # fmt: skip
                 budgets = [self.budget]
                 if spec.method == "adaptive":  # a chain arm too, for large batches
@@ -262,14 +267,14 @@ class LLMEngine:
         cfg, reuse = self.model_config, self.spec.reuse_last_module
         use_graphs = self.device.type == "cuda"
         max_batch = self.config.max_batch_size
-        drafting = self.config.drafting_layer
+        drafts = self.draft_layers
         greedy = GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch, use_graphs=use_graphs,
-                                   reuse_last_module=reuse, drafting_layer=drafting)  # fmt: skip
+                                   reuse_last_module=reuse, draft_layers=drafts)  # fmt: skip
         # Without reuse of the last module, no draft is deeper than the modules.
         depth = budget.depth if reuse else min(budget.depth, cfg.num_mtp_modules)
         shape = sampled_tree_shape(dataclasses.replace(budget, depth=depth), None)
         sampled = GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch, use_graphs=use_graphs,
-                                     reuse_last_module=reuse, drafting_layer=drafting)  # fmt: skip
+                                     reuse_last_module=reuse, draft_layers=drafts)  # fmt: skip
         return [greedy, sampled]
 
     def graphed_budgets(self, sampled: bool) -> list[TreeBudget]:

@@ -45,6 +45,7 @@ from engine.host_tensor import copy_to_device, int_table, int_tensor, to_device
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM, mtp_band_mask
+from engine.model.draft_layer import DraftLayer, forward_mtp
 from engine.sequence import Sequence
 
 # (sequences, rows per sequence) captured: a prompt's rows, a lag of a few hundred tokens. Row
@@ -104,8 +105,10 @@ class GraphedCatchUp:
         max_batch: int,
         use_graphs: bool,
         shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES,
+        draft_layers: dict[int, DraftLayer] | None = None,  # the MTP modules' drafting forward
     ) -> None:
         self.model, self.pool = model, pool
+        self.draft_layers = draft_layers or {}
         self.device = dev = pool.kv_cache.device
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = model.config.hidden_size
@@ -172,7 +175,8 @@ class GraphedCatchUp:
         if module == self.num_modules:  # the last module's outputs feed nobody: its entries only
             self.model.write_mtp_latents(module, buf.prev, buf.ids, batch, self.pool.kv_cache)
         else:
-            buf.out.copy_(self.model.forward_mtp(module, buf.prev, buf.ids, batch, self.pool.kv_cache))
+            buf.out.copy_(forward_mtp(self.model, self.draft_layers, module, buf.prev, buf.ids, batch,
+                                      self.pool.kv_cache))  # fmt: skip
 
     def _fused_forward(self, buf: _ShapeBuffers) -> None:
         """Modules 1..k back to back over the loaded rows (``_run_fused``), then the padding's
@@ -197,7 +201,7 @@ class GraphedCatchUp:
             if d == k:  # the last module's outputs feed nobody: its entries only
                 self.model.write_mtp_latents(d, prev, ids, batch, kv)
             else:
-                out = self.model.forward_mtp(d, prev, ids, batch, kv)  # [S*R, H]
+                out = forward_mtp(self.model, self.draft_layers, d, prev, ids, batch, kv)  # [S*R, H]
                 newest = buf.first[:, 0] + (m[:, _N] - 1).clamp(min=0)  # [S]
                 buf.newest[:, d - 1] = out.index_select(0, newest)  # [S, H]
         self._zero_scratch(self._mtp_layers)

@@ -35,6 +35,7 @@ from torch import Tensor
 from engine.host_tensor import copy_to_device
 from engine.kv.block_pool import BlockPool
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.model.draft_layer import DraftLayer
 from engine.params import SamplingParams
 from engine.sampling import probs_from_logits
 from engine.sequence import Sequence
@@ -60,7 +61,7 @@ class GraphedSampledTree(GraphedTreeStep):
         use_graphs: bool,
         reuse_last_module: bool = True,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-        drafting_layer: bool | None = None,
+        draft_layers: dict[int, DraftLayer] | None = None,
     ) -> None:
         k = model.config.num_mtp_modules
         if k < 1 or shape.budget < 1:
@@ -74,7 +75,7 @@ class GraphedSampledTree(GraphedTreeStep):
         fronts = [[i for i in range(shape.num_nodes) if depths[i] == m - 1 and kids[i]]
                   for m in range(1, D + 1)]  # fmt: skip
         super().__init__(model, pool, budget, max_blocks, max_batch, use_graphs, D, shape.budget,
-                         [0] + [len(f) for f in fronts[1:]], buckets, drafting_layer)  # fmt: skip
+                         [0] + [len(f) for f in fronts[1:]], buckets, draft_layers)  # fmt: skip
         self.shape = shape
         dev = self.device
         self.draws = [max(len(kids[i]) for i in f) for f in fronts]  # [m - 1] children drawn per row

@@ -46,6 +46,7 @@ from engine.kernels import run_kernel, triton_available
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.kv.compaction import commit_tree_kv
 from engine.launch_ahead import may_continue, rows_within
+from engine.model import draft_layer
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.draft_layer import DraftLayer
@@ -343,9 +344,6 @@ class GraphedTreeStep:
     # with Triton). Tests set it to compare the two paths: on CPU under the Triton interpreter,
     # on a GPU before the graphs are captured.
     FUSED_IO: bool | None = None
-    # The drafting layer (``drafting_layer``) serves MTP forwards of up to this many rows (batch
-    # bucket x rows); larger ones keep the layer path, whose cuBLAS GEMMs suit many rows.
-    DRAFT_LAYER_MAX_ROWS = 512  # faster than the layer path at 8-520 rows on the H200 (session 36)
 
     def __init__(
         self,
@@ -359,7 +357,7 @@ class GraphedTreeStep:
         num_nodes: int,
         frontier_rows: list[int],  # [m - 1] frontier rows of MTP forward m (0 at m = 1)
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-        drafting_layer: bool | None = None,  # ``EngineConfig.drafting_layer``
+        draft_layers: dict[int, DraftLayer] | None = None,  # the MTP modules' (``draft_layers``)
     ) -> None:
         cfg = model.config
         self.model, self.pool = model, pool
@@ -398,7 +396,7 @@ class GraphedTreeStep:
             scratch_slots.repeat(cache.shape[0]),
         )  # ([layers * slots] layer, [layers * slots] slot)
         self.fused_io = (self.device.type == "cuda" and triton_available()) if self.FUSED_IO is None else self.FUSED_IO
-        self.draft_layers = self._draft_layers(drafting_layer)
+        self.draft_layers = draft_layers or {}
         self.row_tables: tuple[Tensor, Tensor, Tensor] | None = None
         if self.fused_io:  # every depth's row tables packed for one kernel (``_row_inputs``)
             from engine.kernels.mtp_rows import pack_row_tables
@@ -426,17 +424,6 @@ class GraphedTreeStep:
         self._next_event = 0
         self._stream: torch.cuda.Stream | None = None
         self._root = torch.zeros(0, dtype=torch.long)  # the step's root tokens [B] (``_step_start``)
-
-    def _draft_layers(self, on: bool | None) -> dict[int, DraftLayer]:
-        """module -> its drafting forward (``engine.model.draft_layer``: absorbed weights, GEMMs
-        with the norms, residual adds and SwiGLU inside); ``on`` None: on CUDA with Triton in a
-        16-bit dtype."""
-        if on is None:
-            on = self.fused_io and self.dtype in (torch.bfloat16, torch.float16)
-        if not on:
-            return {}
-        layers = {m: self.model.mtp_layer(m) for m in range(1, self.k + 1)}
-        return {m: DraftLayer(layer) for m, layer in layers.items() if DraftLayer.supports(layer)}
 
     def _capture(self) -> None:
         """Capture every bucket's graphs (call at the end of a subclass's ``__init__``)."""
@@ -839,7 +826,7 @@ class GraphedTreeStep:
         fused = self.model.mtp_layer(plan.module).fuse_input_parts(
             self.model.model.embed_tokens, tok_parts, prev_parts, fused=self.fused_io or None
         )  # [B * R, H]
-        draft = self.draft_layers.get(plan.module) if B * R <= self.DRAFT_LAYER_MAX_ROWS else None
+        draft = self.draft_layers.get(plan.module) if B * R <= draft_layer.MAX_ROWS else None
         if draft is not None:  # the module's fused drafting forward (engine/model/draft_layer.py)
             cache = self.pool.kv_cache[self.model.mtp_cache_layer(plan.module)]
             hidden = draft.forward(fused, self.model.rope, batch, cache)
@@ -1028,7 +1015,7 @@ class GraphedGreedyTree(GraphedTreeStep):
         use_graphs: bool,
         reuse_last_module: bool = True,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-        drafting_layer: bool | None = None,
+        draft_layers: dict[int, DraftLayer] | None = None,
     ) -> None:
         cfg = model.config
         if cfg.num_mtp_modules < 1 or not budget.speculates:
@@ -1039,7 +1026,7 @@ class GraphedGreedyTree(GraphedTreeStep):
         if N < D:
             raise ValueError("num_draft_tokens must be at least the depth for the graphed tree")
         super().__init__(model, pool, budget, max_blocks, max_batch, use_graphs, D, N,
-                         [0] + [K] * (D - 1), buckets, drafting_layer)  # fmt: skip
+                         [0] + [K] * (D - 1), buckets, draft_layers)  # fmt: skip
         self.K = K
         # Candidate depth of each candidate index (depth-major creation order).
         depths = [1] * K + [m for m in range(2, D + 1) for _ in range(K * K)]

@@ -478,6 +478,9 @@ def test_the_drafting_layer_drafts_the_layer_paths_trees(small_vocab_lora_dir: P
     eng, calls = _engine(small_vocab_lora_dir, spec, EngineConfig(cuda_graphs=True, drafting_layer=True))
     runner = eng.graphed_tree
     assert runner is not None and sorted(runner.draft_layers) == [1, 2, 3]
+    # Built once per engine: the sampled step and the prompts' catch-up share them.
+    assert eng.graphed_sampled is not None and eng.drafter is not None and eng.drafter.static_catch_up is not None
+    assert runner.draft_layers is eng.graphed_sampled.draft_layers is eng.drafter.static_catch_up.draft_layers
     forwards: list[int] = []
     for draft in runner.draft_layers.values():
         forward = draft.forward
