@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels.fused_layers import rope_lanes
+
 
 @triton.jit
 def _row_rstd(ptr, D, eps, BLOCK: tl.constexpr):
@@ -52,10 +54,7 @@ def _draft_rope_kernel(
     freqs = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_freq_ptr + offs_i)  # [HALF]
     cos = (tl.cos(freqs) * attention_factor)[None, :]  # [1, HALF]
     sin = (tl.sin(freqs) * attention_factor)[None, :]
-    if INTERLEAVE:  # pairs (x0, x1), (x2, x3)...
-        first, second = 2 * offs_i, 2 * offs_i + 1
-    else:
-        first, second = offs_i, HALF + offs_i
+    first, second = rope_lanes(HALF, INTERLEAVE)
     # Queries: [s_q * qp[n, h, :R]] and rope(s_q * qp[n, h, R:]) per head.
     offs_h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     h_ok = offs_h < HEADS

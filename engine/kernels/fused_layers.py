@@ -206,6 +206,20 @@ def mtp_input_parts(
 
 
 @triton.jit
+def rope_lanes(HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The offsets of the rotated pairs' first and second halves in a rope part of ``2 * HALF``:
+    (x0, x1), (x2, x3)... when interleaved, else (x_i, x_{HALF + i})."""
+    offs_i = tl.arange(0, HALF)
+    if INTERLEAVE:
+        first = 2 * offs_i
+        second = first + 1
+    else:
+        first = offs_i
+        second = offs_i + HALF
+    return first, second
+
+
+@triton.jit
 def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
     """(x1 cos - x2 sin, x2 cos + x1 sin), every product and sum rounded like the torch path."""
     a = _round(_round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE), DTYPE)
@@ -228,10 +242,7 @@ def _rope_latent_kernel(
     freqs = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_freq_ptr + offs_i)  # [HALF]
     cos = _round(tl.cos(freqs) * attention_factor, dtype)[None, :]  # [1, HALF]
     sin = _round(tl.sin(freqs) * attention_factor, dtype)[None, :]
-    if INTERLEAVE:  # pairs (x0, x1), (x2, x3)...
-        first, second = 2 * offs_i, 2 * offs_i + 1
-    else:
-        first, second = offs_i, HALF + offs_i
+    first, second = rope_lanes(HALF, INTERLEAVE)
     # Queries: q[n, h, NOPE:] -> q_out[n, h, :] (evens then odds when interleaved).
     offs_h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     h_ok = offs_h < H

@@ -59,10 +59,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "step_zero_rows": ("step_zero", dict(BLOCK_N=32, BLOCK_D=256), 4, 1),
     "step_advance": ("step_advance", dict(D=6, BLOCK_C=16, BLOCK=1024), 4, 1),
     "step_write_outputs": ("step_write", dict(P=7, BLOCK_P=8, BLOCK_H=1024), 4, 1),
+    # The RoPE + latent-store kernels at the gpu preset's sizes (12 heads, R=256, rope 32,
+    # q LoRA 384, hidden 768): the layer path's and the drafting layer's.
+    "rope_latent_gpu": ("rope_latent", dict(NOPE=64, HALF=16, R=256, BLOCK_H=16, BLOCK_R=256,
+                                            INTERLEAVE=True), 4, 1),
+    "draft_rope_gpu": ("draft_rope", dict(R=256, HALF=16, BLOCK_H=16, BLOCK_R=256, BLOCK_LORA=512,
+                                          BLOCK_D=1024, INTERLEAVE=True), 4, 1),
+    "scaled_silu_mul_gpu": ("scaled_silu", dict(BLOCK=1024, BLOCK_D=1024), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
             "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768",
-            "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs"]
+            "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs",
+            "rope_latent_gpu", "draft_rope_gpu", "scaled_silu_mul_gpu"]
 # Variants allowed a few spilled bytes: the R=256 default tile spills 584 bytes at 4 warps with
 # rows packed token x 12 heads (its float32 accumulator and bfloat16 queries take 192 of 255
 # registers) and 340 with each token's heads padded to 16 rows (the small grids' layout); it was
@@ -78,6 +86,9 @@ STEP_TYPES = {"tables_ptr": "*i32", "kv_ptr": "*bf16", "live_ptr": "*i1", "next_
               "ctx_ptr": "*i32", "prev0_ptr": "*bf16", "prev1_ptr": "*bf16", "prev2_ptr": "*bf16",
               "emb_ptr": "*bf16", "ew_ptr": "*bf16", "hw_ptr": "*bf16", "out_ptr": "*bf16",
               "eps_e": "fp32", "eps_h": "fp32"}
+# Argument types of the RoPE kernels' non-bf16 arguments (the rest: ``_arg_type``).
+ROPE_TYPES = {"pos_ptr": "*i64", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32", "attention_factor": "fp32",
+              "eps_x": "fp32", "eps_q": "fp32", "eps_kv": "fp32"}
 
 
 def _arg_type(name: str, fp32: bool) -> str:
@@ -107,9 +118,11 @@ def compile_variant(name: str) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from engine.kernels.compaction import _compact_and_zero_kernel
+    from engine.kernels.draft_layer_kernels import _draft_rope_kernel, _scaled_silu_mul_kernel
     from engine.kernels.fused_layers import (
         _add_rms_norm_kernel,
         _mtp_input_kernel,
+        _rope_latent_kernel,
         _silu_mul_kernel,
     )
     from engine.kernels.mtp_rows import _mtp_rows_kernel
@@ -132,7 +145,9 @@ def compile_variant(name: str) -> dict[str, Any]:
           "add_rms_norm": _add_rms_norm_kernel, "step_start": _step_start_kernel,
           "step_verify": _verify_inputs_kernel,
           "step_zero": _zero_cache_rows_kernel, "step_advance": _advance_kernel,
-          "step_write": _write_outputs_kernel, "step_mtp_parts": _mtp_input_kernel}[kind]  # fmt: skip
+          "step_write": _write_outputs_kernel, "step_mtp_parts": _mtp_input_kernel,
+          "rope_latent": _rope_latent_kernel, "draft_rope": _draft_rope_kernel,
+          "scaled_silu": _scaled_silu_mul_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {"BLOCK_R": 512, "BLOCK_P": 64, **consts,
@@ -141,6 +156,8 @@ def compile_variant(name: str) -> dict[str, Any]:
     def arg_type(arg: str) -> str:
         if kind.startswith("step_"):  # int64 pointers but for the typed ones, int32 sizes
             return STEP_TYPES.get(arg, "*i64" if arg.endswith("_ptr") else "i64" if arg.startswith("stride") else "i32")
+        if arg in ROPE_TYPES:
+            return ROPE_TYPES[arg]
         if not kind.startswith("tree_"):
             return _arg_type(arg, fp32)
         if arg in TREE_TYPES:
