@@ -167,19 +167,31 @@ def draft_layers(model: DeepseekV3ForCausalLM, on: bool | None) -> dict[int, Dra
     return {m: DraftLayer(layer) for m, layer in layers.items() if DraftLayer.supports(layer)}
 
 
-def forward_mtp(
+def forward_mtp_fused(
     model: DeepseekV3ForCausalLM,
     drafts: dict[int, DraftLayer],  # ``draft_layers``
     depth: int,  # 1-based module
-    prev_hidden: Tensor,  # [N, H]
-    input_ids: Tensor,  # [N]
+    fused: Tensor,  # [N, H] the module's fused input (``MTPLayer.fuse_input_ids`` / ``_parts``)
     batch: AttentionBatch,
     kv_cache: Tensor,  # [layers_total, num_blocks, block_size, latent]
 ) -> Tensor:  # [N, H] the module's normalised hidden
-    """``model.forward_mtp`` through the drafting layer where it serves (its module, at most
-    ``MAX_ROWS`` rows)."""
-    draft = drafts.get(depth) if prev_hidden.shape[0] <= MAX_ROWS else None
+    """``model.forward_mtp_fused`` through the drafting layer where it serves (its module, at
+    most ``MAX_ROWS`` rows)."""
+    draft = drafts.get(depth) if fused.shape[0] <= MAX_ROWS else None
     if draft is None:
-        return model.forward_mtp(depth, prev_hidden, input_ids, batch, kv_cache)
-    x = model.mtp_layer(depth).fuse_input_ids(model.model.embed_tokens, input_ids, prev_hidden)  # [N, H]
-    return draft.forward(x, model.rope, batch, kv_cache[model.mtp_cache_layer(depth)])
+        return model.forward_mtp_fused(depth, fused, batch, kv_cache)
+    return draft.forward(fused, model.rope, batch, kv_cache[model.mtp_cache_layer(depth)])
+
+
+def forward_mtp(
+    model: DeepseekV3ForCausalLM,
+    drafts: dict[int, DraftLayer],
+    depth: int,
+    prev_hidden: Tensor,  # [N, H]
+    input_ids: Tensor,  # [N]
+    batch: AttentionBatch,
+    kv_cache: Tensor,
+) -> Tensor:  # [N, H]
+    """``model.forward_mtp`` likewise."""
+    fused = model.mtp_layer(depth).fuse_input_ids(model.model.embed_tokens, input_ids, prev_hidden)  # [N, H]
+    return forward_mtp_fused(model, drafts, depth, fused, batch, kv_cache)

@@ -46,10 +46,9 @@ from engine.kernels import run_kernel, triton_available
 from engine.kv.block_pool import BlockOwner, BlockPool
 from engine.kv.compaction import commit_tree_kv
 from engine.launch_ahead import may_continue, rows_within
-from engine.model import draft_layer
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from engine.model.draft_layer import DraftLayer
+from engine.model.draft_layer import DraftLayer, forward_mtp_fused
 from engine.params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.acceptance_stats import AcceptanceCounter
@@ -826,12 +825,8 @@ class GraphedTreeStep:
         fused = self.model.mtp_layer(plan.module).fuse_input_parts(
             self.model.model.embed_tokens, tok_parts, prev_parts, fused=self.fused_io or None
         )  # [B * R, H]
-        draft = self.draft_layers.get(plan.module) if B * R <= draft_layer.MAX_ROWS else None
-        if draft is not None:  # the module's fused drafting forward (engine/model/draft_layer.py)
-            cache = self.pool.kv_cache[self.model.mtp_cache_layer(plan.module)]
-            hidden = draft.forward(fused, self.model.rope, batch, cache)
-        else:
-            hidden = self.model.forward_mtp_fused(plan.module, fused, batch, self.pool.kv_cache)
+        # Through the drafting layer where the engine built one (engine/model/draft_layer.py).
+        hidden = forward_mtp_fused(self.model, self.draft_layers, plan.module, fused, batch, self.pool.kv_cache)
         return hidden.view(B, R, -1)
 
     def _row_inputs(self, buf: _Buffers, window: Tensor) -> list[_RowInputs]:

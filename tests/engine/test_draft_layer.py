@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.draft_layer import DraftLayer
-from tests.engine.kernels.draft_cases import _draft_model, check_draft_layer
+from tests.engine.kernels.draft_cases import check_draft_layer, draft_model
 
 
 def test_the_drafting_forward_computes_the_mtp_layer_in_float32() -> None:
@@ -15,7 +15,7 @@ def test_the_drafting_forward_computes_the_mtp_layer_in_float32() -> None:
 
 
 def test_absorbed_weights_have_the_latent_shapes() -> None:
-    model = _draft_model("cpu", torch.float32)
+    model = draft_model("cpu", torch.float32)
     layer = model.mtp_layer(1)
     attn = layer.self_attn
     draft = DraftLayer(layer)

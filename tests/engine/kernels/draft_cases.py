@@ -13,6 +13,8 @@ Each returns ``(relative max error, tolerance)``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -87,7 +89,7 @@ def check_scaled_silu_mul(device: str, dtype: torch.dtype) -> tuple[float, float
     return max(err, _rel(scaled_silu_mul(g, xs, 1e-6), scaled_silu_mul_torch(g, xs, 1e-6))), _tol(dtype)
 
 
-def _draft_model(device: str, dtype: torch.dtype) -> torch.nn.Module:
+def draft_model(device: str, dtype: torch.dtype) -> torch.nn.Module:
     from engine.model.config import ModelConfig
     from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -111,7 +113,7 @@ def check_draft_layer(device: str, dtype: torch.dtype, fused: bool) -> tuple[flo
     from engine.model.attention_batch import AttentionBatch
     from engine.model.draft_layer import DraftLayer
 
-    model = _draft_model(device, dtype)
+    model = draft_model(device, dtype)
     layer = model.mtp_layer(1)
     assert DraftLayer.supports(layer)
     gen = torch.Generator().manual_seed(11)
@@ -132,10 +134,8 @@ def check_draft_layer(device: str, dtype: torch.dtype, fused: bool) -> tuple[flo
     want_cache = cache.clone()
     with torch.inference_mode():
         want = model.forward_mtp_fused(1, x, batch, want_cache)
-        batch_again = AttentionBatch(**{k: getattr(batch, k) for k in (
-            "positions", "slot_mapping", "block_tables", "ctx_lens", "query_start", "new_mask",
-            "query_ctx_lens")})  # a fresh memo  # fmt: skip
-        got = DraftLayer(layer).forward(x.clone(), model.rope, batch_again, cache[layer_index], fused=fused)
+        fresh = dataclasses.replace(batch, memo={})  # a batch's memo serves one forward
+        got = DraftLayer(layer).forward(x.clone(), model.rope, fresh, cache[layer_index], fused=fused)
     err = max(_rel(got, want), _rel(cache, want_cache))
     return err, 1e-4 if dtype == torch.float32 else 4e-2
 
