@@ -4,8 +4,8 @@ Each drafting depth of the graphed tree step runs a full decoder layer over a fe
 sequence. On an H200 its kernels are latency-bound: a GEMM of 8 rows takes ~3.5 us in cuBLAS
 whatever its width, and each small kernel between GEMMs ~1.5 us plus the gap between
 launches. This forward computes the function of ``DeepseekV3ForCausalLM.forward_mtp_fused``
-(from the module's fused input, after ``eh_proj``) in 13 kernels where the layer path takes
-18 (``scripts/draft_layer_bench.py`` times both):
+(from the module's fused input, after ``eh_proj``) in 11 kernels where the layer path takes
+15 (``scripts/draft_layer_bench.py`` times both):
 
 - every RMSNorm's weight is folded into the matrix after it (``fold_norm``) and its row scale
   ``rsqrt(mean(x^2) + eps)`` deferred to a kernel that reads the row anyway: the input norm
