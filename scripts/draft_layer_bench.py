@@ -13,41 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from bench.gpu_kernels import graph_ms
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.draft_layer import DraftLayer
-
-
-def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 30) -> float:
-    """Microseconds per ``fn()`` call, ``calls`` of them captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def batch_of(M: int, rows: int, context: int, block_size: int, device: torch.device) -> AttentionBatch:
@@ -105,8 +80,8 @@ def main() -> None:
             diff = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             layer_path = partial(model.forward_mtp_fused, 1, x, batch, cache)
             drafting = partial(draft.forward, x, model.rope, batch, layer_cache)
-            rec = {"rows": seqs * args.rows, "layer_us": round(graph_us(layer_path), 2),
-                   "draft_us": round(graph_us(drafting), 2), "max_rel_diff": round(diff, 5)}
+            rec = {"rows": seqs * args.rows, "layer_us": round(graph_ms(layer_path, calls=20) * 1e3, 2),
+                   "draft_us": round(graph_ms(drafting, calls=20) * 1e3, 2), "max_rel_diff": round(diff, 5)}
             records.append(rec)
             print(json.dumps(rec), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -99,12 +99,7 @@ def pick(times: dict[str, float], default_key: str, min_gain: float) -> str:
 
 def graph_us(fn: Callable[[], Any]) -> float:
     """Microseconds per call of ``fn`` replayed ``CALLS_PER_GRAPH`` times in one CUDA graph."""
-
-    def calls() -> None:
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-
-    return gk._graph_ms(calls) * 1e3 / CALLS_PER_GRAPH
+    return gk.graph_ms(fn, CALLS_PER_GRAPH) * 1e3
 
 
 def inputs_for(key: ShapeKey, ctx: int, heads: int, seed: int, device: str = "cuda") -> dict[str, Any]:

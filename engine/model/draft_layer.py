@@ -95,7 +95,7 @@ class DraftLayer:
     def __init__(self, layer: MTPLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         assert self.supports(layer) and isinstance(mlp, SwiGLUMLP)
-        self.layer = layer
+        self.layer, self.mlp = layer, mlp
         dtype = attn.q_b_proj.weight.dtype
         with torch.no_grad():
             qkv_a = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight])
@@ -148,9 +148,7 @@ class DraftLayer:
             act = scaled_silu_mul(gate_up, x, eps_post)
         else:
             act = scaled_silu_mul_torch(gate_up, x, eps_post)  # [M, I]
-        mlp = layer.mlp
-        assert isinstance(mlp, SwiGLUMLP)
-        x.addmm_(act, mlp.down_proj.weight.t())  # x += down(act)
+        x.addmm_(act, self.mlp.down_proj.weight.t())  # x += down(act)
         return layer.shared_head.norm(x)
 
 

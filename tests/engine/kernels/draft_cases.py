@@ -18,13 +18,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from tests.engine.kernels.fused_cases import kernel_tolerance
+
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
-
-
-def _tol(dtype: torch.dtype) -> float:
-    return 1e-5 if dtype == torch.float32 else 2e-2
 
 
 def check_draft_rope(device: str, dtype: torch.dtype) -> tuple[float, float]:
@@ -71,7 +69,7 @@ def check_draft_rope(device: str, dtype: torch.dtype) -> tuple[float, float]:
     got = draft_rope_and_store(*args, positions.to(device), rope.inv_freq, rope.attention_factor, rope.interleave,
                                dev_cache, slots.to(device))  # fmt: skip
     err = max(err, _rel(got[0], want[0]), _rel(got[1], want[1]), _rel(dev_cache, want_cache))
-    return err, _tol(dtype)
+    return err, kernel_tolerance(dtype)
 
 
 def check_scaled_silu_mul(device: str, dtype: torch.dtype) -> tuple[float, float]:
@@ -86,7 +84,7 @@ def check_scaled_silu_mul(device: str, dtype: torch.dtype) -> tuple[float, float
     err = _rel(scaled_silu_mul_torch(gate_up, x, 1e-6), F.silu(gate) * up)
     on = {"device": device, "dtype": dtype}
     g, xs = gate_up.to(**on), x.to(**on)  # type: ignore[arg-type]
-    return max(err, _rel(scaled_silu_mul(g, xs, 1e-6), scaled_silu_mul_torch(g, xs, 1e-6))), _tol(dtype)
+    return max(err, _rel(scaled_silu_mul(g, xs, 1e-6), scaled_silu_mul_torch(g, xs, 1e-6))), kernel_tolerance(dtype)
 
 
 def draft_model(device: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -26,7 +26,8 @@ FUSED_CASES: dict[str, tuple[torch.dtype, int, int, int, int, bool, int]] = {
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
 
 
-def _tol(dtype: torch.dtype) -> float:
+def kernel_tolerance(dtype: torch.dtype) -> float:
+    """The largest error a kernel may show against its PyTorch reference in ``dtype``."""
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
@@ -54,7 +55,7 @@ def check_rms_norm(name: str, device: str) -> tuple[float, float]:
     want = _torch_norm(norm, x)
     got = rms_norm(x, norm.weight, norm.eps)
     assert got.dtype == dtype and got.shape == want.shape
-    return (got.double() - want.double()).abs().max().item(), _tol(dtype)
+    return (got.double() - want.double()).abs().max().item(), kernel_tolerance(dtype)
 
 
 def check_add_rms_norm(name: str, device: str) -> tuple[float, float]:
@@ -72,7 +73,7 @@ def check_add_rms_norm(name: str, device: str) -> tuple[float, float]:
     got_sum, got = add_rms_norm(x, delta, norm.weight, norm.eps)
     assert got.dtype == dtype and got.shape == want.shape
     return max((got_sum.double() - want_sum.double()).abs().max().item(),
-               (got.double() - want.double()).abs().max().item()), _tol(dtype)
+               (got.double() - want.double()).abs().max().item()), kernel_tolerance(dtype)
 
 
 def check_silu_mul(name: str, device: str) -> tuple[float, float]:
@@ -87,7 +88,7 @@ def check_silu_mul(name: str, device: str) -> tuple[float, float]:
     want = torch.nn.functional.silu(gate) * up
     got = silu_mul(gate_up)
     assert got.dtype == dtype and got.shape == want.shape
-    return (got.double() - want.double()).abs().max().item(), _tol(dtype) * 4
+    return (got.double() - want.double()).abs().max().item(), kernel_tolerance(dtype) * 4
 
 
 def check_mtp_input(name: str, device: str) -> tuple[float, float]:
@@ -104,7 +105,7 @@ def check_mtp_input(name: str, device: str) -> tuple[float, float]:
     want = torch.cat([_torch_norm(enorm, embed[ids]), _torch_norm(hnorm, prev)], dim=-1)
     got = mtp_input(ids, embed, prev, enorm.weight, enorm.eps, hnorm.weight, hnorm.eps)
     assert got.dtype == dtype and got.shape == want.shape
-    return (got.double() - want.double()).abs().max().item(), _tol(dtype)
+    return (got.double() - want.double()).abs().max().item(), kernel_tolerance(dtype)
 
 
 def check_rope_latent(name: str, device: str) -> tuple[float, float]:
@@ -140,4 +141,4 @@ def check_rope_latent(name: str, device: str) -> tuple[float, float]:
                                   rope.attention_factor, cache, slots, nope, interleave)
     err = max((got_q.double() - want_q.double()).abs().max().item(),
               (cache.double() - want_cache.double()).abs().max().item())
-    return err, _tol(dtype)
+    return err, kernel_tolerance(dtype)
