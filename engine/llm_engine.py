@@ -1052,8 +1052,13 @@ class LLMEngine:
         if fast.continues(seqs):  # its last step's batch, untouched: no per-sequence checks
             return seqs, []
         # Sequences of its last step untouched since need no check either (``eligible`` would
-        # hand out their deferred MTP rows, which the step gathers on the device instead).
-        rows = fast.continuing(seqs) or [-1] * len(seqs)
+        # hand out their deferred MTP rows, which the step gathers on the device instead); so
+        # do those of another drafting arm's last step, which it takes over (``adopt``).
+        rows = fast.continuing(seqs)
+        last = self._last_runner
+        if last is not None and last is not fast and (rows is None or max(rows, default=-1) < 0):
+            rows = fast.adopt(last, seqs)
+        rows = rows or [-1] * len(seqs)
         ready = [row >= 0 or fast.eligible(s) for s, row in zip(seqs, rows, strict=True)]
         lagging = [s for s, ok in zip(seqs, ready, strict=True) if not ok and fast.serves(s.sampling)]
         if lagging and self.drafter is not None:

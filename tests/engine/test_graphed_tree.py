@@ -397,6 +397,60 @@ def _assert_inputs_are_the_batchs(g: GraphedTreeStep, buf: Any, seqs: list[Seque
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_switch_of_drafting_arm_takes_the_batch_over_on_the_device(
+    small_vocab_dir: Path, temperature: float
+) -> None:
+    """Switching between the captured tree and chain loads nothing from the host: the runner
+    switched to takes over the other's advanced inputs (``GraphedTreeStep.adopt``), its
+    catch-up rows truncated (tree to chain) or padded (chain to tree), and they are what the
+    general path would load. Greedy tokens stay the autoregressive ones; sampled requests run
+    their full length."""
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"), engine_config=STATIC)
+    assert eng.adaptive is not None
+    tree, chain = eng.graphed_budgets(sampled=temperature > 0)
+    picks = iter(([tree] * 2 + [chain] * 2 + [tree] + [chain]) * 100)
+    eng.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
+    sampled = temperature > 0
+    runners = [r for r in eng._graphed_runners if r.serves(SamplingParams(temperature=temperature))]
+    assert {r.budget for r in runners} == {tree, chain}
+    fresh: list[tuple[int, int]] = []  # (runner depth, sequences loaded from the host)
+    adopted: list[int] = []
+    for g in runners:
+        load, load_inputs, adopt = g._load_fresh, g._load_inputs, g.adopt
+
+        def load_traced(buf: Any, seqs: list[Sequence], *args: Any, g: Any = g, load: Any = load) -> None:
+            fresh.append((g.D, len(seqs)))
+            load(buf, seqs, *args)
+
+        def load_checked(buf: Any, seqs: list[Sequence], g: Any = g, load_inputs: Any = load_inputs) -> list[int]:
+            c = load_inputs(buf, seqs)
+            _assert_inputs_are_the_batchs(g, buf, seqs)
+            return c
+
+        def adopt_traced(other: Any, seqs: list[Sequence], adopt: Any = adopt) -> list[int] | None:
+            rows = adopt(other, seqs)
+            adopted.append(0 if rows is None else sum(r >= 0 for r in rows))
+            return rows
+
+        g._load_fresh = load_traced  # type: ignore[method-assign]
+        g._load_inputs = load_checked  # type: ignore[method-assign]
+        g.adopt = adopt_traced  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=30, temperature=temperature, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(PROMPTS)}
+    got = _serve(eng, requests)
+    if not sampled:
+        base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
+        assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in _serve(base, requests).items()}
+    assert [len(o.token_ids) for o in got.values()] == [30] * len(PROMPTS)
+    # Only the first drafting step loads the batch from the host; every switch takes over
+    # what is left of it.
+    assert len(fresh) == 1 and fresh[0][1] == len(PROMPTS), fresh
+    assert len(adopted) >= 5 and adopted[0] == len(PROMPTS) and min(adopted) >= 1, adopted
+    assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
+    assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_batch_some_of_whose_requests_finished_is_gathered_on_the_device(
     small_vocab_dir: Path, temperature: float
 ) -> None:
