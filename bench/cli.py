@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--overlap-steps", choices=["on", "off", "auto"], default="auto",
                      help="launch steady decode steps ahead of their host work "
                           "(EngineConfig.overlap_steps; auto: on CUDA, off on a CPU)")
+    off.add_argument("--launch-after-prefill", choices=["on", "off"], default="on",
+                     help="with overlap, a prefill whose prompts make up the decode batch also "
+                          "launches its first decode step (EngineConfig.launch_after_prefill)")
     off.add_argument("--drafting-layer", choices=["on", "off", "auto"], default="auto",
                      help="the MTP modules' fused drafting forward in the graphed tree steps "
                           "(EngineConfig.drafting_layer; auto: on CUDA in 16 bits)")
@@ -142,6 +145,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         spin_ms=args.spin_ms, overlap_steps=None if args.overlap_steps == "auto" else args.overlap_steps == "on",
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         drafting_layer=None if args.drafting_layer == "auto" else args.drafting_layer == "on",
+        launch_after_prefill=args.launch_after_prefill == "on",
     )
     doc, ok = run_offline(settings, progress=not args.no_progress)
     from bench.results import read_json, write_json

@@ -78,6 +78,8 @@ class OfflineSettings:
     prefill_chunk_tokens: int | None = None
     # ``EngineConfig.drafting_layer`` of the speculative engines (None: on CUDA in 16 bits).
     drafting_layer: bool | None = None
+    # Every engine's ``EngineConfig.launch_after_prefill``, the baseline's included.
+    launch_after_prefill: bool = True
 
 
 def _log(msg: str) -> None:
@@ -109,7 +111,7 @@ def _check_in_other_dtype(s: OfflineSettings, prompts: list[list[int]], modes: l
     the paths the timed runs take."""
     assert s.check_dtype is not None
     base = load_base(s.model, s.device, s.check_dtype, len(prompts), s.prompt_tokens + s.max_new_tokens, None,
-                     s.overlap_steps, s.prefill_chunk_tokens, s.drafting_layer)
+                     s.overlap_steps, s.prefill_chunk_tokens, s.drafting_layer, s.launch_after_prefill)
     contenders, _ = build_contenders(s.model, base, modes, parse_dtype(s.check_dtype))
     result = greedy_check(contenders, prompts, s.check_tokens or s.max_new_tokens)
     del base, contenders
@@ -217,7 +219,8 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     max_batch = max(s.batch_sizes)
     meta = run_metadata(s.device, s.model)
     base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
-                     s.kv_memory_mb, s.overlap_steps, s.prefill_chunk_tokens, s.drafting_layer)
+                     s.kv_memory_mb, s.overlap_steps, s.prefill_chunk_tokens, s.drafting_layer,
+                     s.launch_after_prefill)
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
                                    s.num_prompts or max(max_batch, s.min_sequences), s.prompt_tokens,
                                    skip=s.prompt_offset)

@@ -126,6 +126,10 @@ class EngineConfig:
     # batch 1, +30-43% at 128, both modes; outputs unchanged in the float32 check), off on a
     # CPU, where nothing overlaps (tests turn it on to check the outputs are unchanged).
     overlap_steps: bool | None = None
+    # With overlap, a prefill step whose prompts make up the whole decode batch launches that
+    # batch's first decode step too, before its own host work (``LLMEngine._launch_after_
+    # prefill``): the step that started each request synchronously, not launched ahead.
+    launch_after_prefill: bool = True
     # The graphed tree steps' MTP forwards take the drafting layer (engine/model/draft_layer.py:
     # absorbed MLA weights, GEMMs with the norms, residual adds and SwiGLU inside; drafts may
     # differ in the last bits, outputs do not). None: on CUDA with Triton in a 16-bit dtype;

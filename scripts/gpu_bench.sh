@@ -13,7 +13,8 @@
 #    validates the simulator's predictions on the same model (scripts/validate_simulator.py ->
 #    simulator-validation-h200.json).
 # Env: PYTHON (default python3), WORK (default /tmp/mtpserve-bench), TRAIN_BUDGET_S (default
-# 200), DEADLINE_S (default 560: seconds from start by which the sweep must end; the tree
+# 200; the headline figures' model trains 540 s in a call of its own first: scripts/train_on_h200.sh
+# gpu with the same WORK), TRAIN_ARGS (more `mtpserve train` arguments, e.g. --no-compile), DEADLINE_S (default 560: seconds from start by which the sweep must end; the tree
 # engine's Triton kernels take 25-60 s to compile on a fresh machine),
 # PRICE_PER_HOUR (default 3.50: $ per GPU-hour for the cost columns; set your own),
 # BATCH_SIZES, TEMPERATURES, TREE_BUDGETS, MAX_NEW_TOKENS, REPEATS, MIN_SEQUENCES, MODES (override the sweep),
@@ -38,6 +39,7 @@
 # session 35's sweeps had them 1.7-3.7% dearer per step under T=0.7),
 # OVERLAP_STEPS (on, off or auto, default auto = on on CUDA: EngineConfig.overlap_steps of every
 # engine, the baseline's too),
+# LAUNCH_AFTER_PREFILL (on or off, default on: EngineConfig.launch_after_prefill of every engine),
 # PREFILL_CHUNK (prompt tokens prefilled per step by every engine, the baseline's too; default:
 # the engine's, 4096 on CUDA),
 # SPIN_MS (default 50: milliseconds of GPU matrix products before every timed run, so that each
@@ -85,8 +87,9 @@ fi
 if [ ! -f "$MODEL/config.json" ]; then
     echo "== training the gpu preset into $MODEL"
     rm -rf "$MODEL" "$MODEL.work"
+    # shellcheck disable=SC2086  # TRAIN_ARGS is a list of arguments
     "$PY" -m train --preset gpu --out "$MODEL" --work-dir "$MODEL.work" \
-        --time-budget-s "${TRAIN_BUDGET_S:-200}"
+        --time-budget-s "${TRAIN_BUDGET_S:-200}" ${TRAIN_ARGS:-}
 fi
 # The Triton kernels against their PyTorch references on this GPU (tests/engine/kernels), before
 # anything is timed (GPU_TESTS=1), after the sweep in the time left (GPU_TESTS=after, so a
@@ -134,6 +137,7 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     ${ADAPTIVE_TREE:+--adaptive-tree "$ADAPTIVE_TREE"} \
     --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
     --spin-ms "${SPIN_MS:-50}" --overlap-steps "${OVERLAP_STEPS:-auto}" \
+    --launch-after-prefill "${LAUNCH_AFTER_PREFILL:-on}" \
     ${PREFILL_CHUNK:+--prefill-chunk-tokens "$PREFILL_CHUNK"} \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"

@@ -3,7 +3,8 @@
 - ``demo``: the model shipped at ``models/demo/`` (fp16 weights at most 40 MB including the MTP
   modules, shards under 16 MB). Its size is bound by the weight limit: tied embeddings and a
   q LoRA leave room for 6 layers plus 4 MTP modules at hidden 384.
-- ``gpu``: a larger model (12 layers, hidden 768) for GPU speed figures; not shipped.
+- ``gpu``: a larger model (12 layers, hidden 768, 6 MTP modules) for GPU speed figures; not
+  shipped.
 - ``tiny``: seconds on a CPU; tests and smoke runs.
 
 All MLPs are dense: ``first_k_dense_replace`` covers the main and the MTP layers, because at this
@@ -151,7 +152,11 @@ GPU = Preset(
     qk_nope_head_dim=64,
     qk_rope_head_dim=32,
     v_head_dim=64,
-    num_mtp_modules=4,
+    # Six modules, one per depth of the GPU default tree (engine/spec/defaults.py): with four,
+    # depths 5 and 6 reused module 4 and reached 0.28 and 0.13 of steps at batch 1 (session 36);
+    # with six (and 540 s of training) 0.74 and 0.69, and module 6 reused at depths 7-8 still
+    # accepts its rank-0 draft 90% and 80% of the time (bench/results/h200-2026-12-04-session37-*).
+    num_mtp_modules=6,
     max_position_embeddings=4096,
     tie_word_embeddings=False,
     seq_len=1024,
@@ -161,6 +166,10 @@ GPU = Preset(
     # keeps the ~116 s it had at 180 s with 0.2, the MTP distillation gets ~47 s instead of ~27
     # (on an H200 its 27 s had raised the modules' accept(T=1) from 0.73 to 0.80).
     distill_frac=0.3,
+    # Compiled, the joint phase runs ~2x faster after ~80 s of compilation: a wash in a 200 s
+    # budget, 4x the steps of the eager 200 s run in the 540 s one (938 against ~230 steps on an
+    # H200, held-out loss 1.99 against 3.53; scripts/train_on_h200.sh gpu).
+    compile_joint=True,
     max_train_bytes=240_000_000,
     max_shard_bytes=400_000_000,
     export_dtype="bfloat16",

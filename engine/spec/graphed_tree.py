@@ -570,6 +570,13 @@ class GraphedTreeStep:
             self._ahead = self._launch_ahead(launch, rows, seqs)
         return results, launch.timing
 
+    def launch(self, seqs: list[Sequence]) -> None:
+        """Queue a step over ``seqs``, all ``eligible``, without reading it: the next ``run``
+        over them (or those of them still decoding) reads it, as it reads a step launched
+        ahead (the first step of a batch just prefilled: ``LLMEngine._launch_after_prefill``)."""
+        buf = self._buffers[self._bucket(len(seqs))]
+        self._ahead = self._replay(buf, seqs, self._load_inputs(buf, seqs))
+
     def discard_ahead(self) -> None:
         """Forget the step launched ahead, none of whose sequences decodes any more (their blocks
         are released; the step's writes to them are zeroed after it in stream order)."""

@@ -207,3 +207,54 @@ def test_a_random_stream_of_arrivals_aborts_and_stops_gives_the_same_greedy_outp
     assert play(eng) == expected
     assert read
     assert _free_blocks_are_zero(eng)
+
+
+def _serve_one_by_one(eng: LLMEngine, params: SamplingParams) -> tuple[list[list[int]], list[str]]:
+    """Requests served one after another, each a batch of its own; their tokens, and what the
+    step after each prefill step read as launched ahead (the kind of step)."""
+    outputs, first_reads = [], []
+    step_no = [0]
+    read_ahead = eng._read_ahead
+
+    def spy(launched):  # type: ignore[no-untyped-def]
+        if step_no[0] == 1:
+            first_reads.append(type(launched).__name__)
+        return read_ahead(launched)
+
+    eng._read_ahead = spy  # type: ignore[method-assign]
+    for i, prompt in enumerate(PROMPTS[:3]):
+        eng.add_request(str(i), prompt, params)
+        step_no[0] = 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outputs.append(o.token_ids)
+            step_no[0] += 1
+    return outputs, first_reads
+
+
+@pytest.mark.parametrize(("spec", "temperature", "seed"), [
+    (SPECS[0], 0.0, None), (SPECS[1], 0.0, None), (SPECS[2], 0.0, None), (SPECS[3], 0.0, None),
+    (SPECS[0], 0.9, 5), (SPECS[1], 0.9, None),
+], ids=["none", "chain", "tree", "adaptive", "none-seeded-sampled", "chain-sampled"])  # fmt: skip
+def test_a_prefill_launches_its_batchs_first_decode_step(
+    small_vocab_dir: Path, spec: SpecConfig, temperature: float, seed: int | None
+) -> None:
+    """A request arriving alone: its prefill step also launches its first decode step (the
+    graphed step the prefill caught the MTP modules up for, or an autoregressive one), which the
+    next step reads as a step launched ahead; the outputs are an engine's that does not
+    (greedy tokens, seeded draws; unseeded sampled requests run their full length)."""
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=seed, ignore_eos=True)
+    runs = {}
+    for launch in (False, True):
+        cfg = EngineConfig(cuda_graphs=True, overlap_steps=True, launch_after_prefill=launch)
+        eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=cfg)
+        runs[launch] = _serve_one_by_one(eng, params)
+        assert _free_blocks_are_zero(eng)
+    (before, not_read), (after, read) = runs[False], runs[True]
+    if temperature == 0.0 or seed is not None:
+        assert after == before
+    assert [len(t) for t in after] == [12] * 3
+    assert not not_read
+    want = "ARLaunch" if spec.method in ("none", "adaptive") else "Graphed"
+    assert len(read) == 3 and all(r.startswith(want) for r in read), read
