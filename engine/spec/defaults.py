@@ -38,6 +38,12 @@ The chain arm (``CHAIN_DEPTH``) serves large batches, where each drafted depth c
 at batch 1 (chain-4 2.4 against 1.5 ms for an autoregressive step at batch 256): it is 4 deep,
 one less than the optimiser's best chain at batch 1 (5 deep, 1.4% faster in the model).
 
+Session 37's `gpu` preset has six MTP modules (the four of session 34's inputs left depths 5
+and 6 to the last one). Its statistics (``bench/results/h200-2026-12-04-session37-gpu6-greedy-
+stats.json``, the 540 s model) make the optimiser pick 2x8-32 (accepted length 7.8 against 6.5
+for 4x6-32, in the model). Measured at batch 1 on a 150 s model of the same shape it ran 2.37x
+against 4x6-32's 2.35x, a wash, so the shipped inputs and this default stay.
+
 ``min_path_prob`` (EAGLE-2's confidence cut on greedy host-driven trees) is not the optimiser's:
 it models fixed shapes; the cut was chosen by measurement.
 """
