@@ -258,3 +258,46 @@ def test_a_prefill_launches_its_batchs_first_decode_step(
     assert not not_read
     want = "ARLaunch" if spec.method in ("none", "adaptive") else "Graphed"
     assert len(read) == 3 and all(r.startswith(want) for r in read), read
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_switch_of_drafting_arm_is_launched_ahead(small_vocab_dir: Path, temperature: float) -> None:
+    """Adaptive speculation switching the batch between the tree and the chain launches the new
+    arm's first step as soon as the last one is read (``LLMEngine._launch_switched``), its runner
+    taking the batch over on the device: the step after a switch is read as launched ahead, and
+    greedy tokens stay the autoregressive ones (sampled requests run their full length)."""
+    params = [SamplingParams(max_tokens=m, temperature=temperature, ignore_eos=True) for m in MAX_TOKENS]
+    eng, _ = _engine(small_vocab_dir, SpecConfig(method="adaptive"), overlap=True)
+    assert eng.adaptive is not None
+    tree, chain = eng.graphed_budgets(sampled=temperature > 0)
+    picks = iter(([tree] * 3 + [chain] * 3) * 100)
+    eng.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
+    switching = [False]
+    launched: list[object] = []  # the budget of each step launched at a switch
+    for runner in eng._graphed_runners:
+        launch = runner.launch
+
+        def launch_traced(seqs, r=runner, launch=launch):  # type: ignore[no-untyped-def]
+            if switching[0]:
+                launched.append(r.budget)
+            return launch(seqs)
+
+        runner.launch = launch_traced  # type: ignore[method-assign]
+    switched = eng._launch_switched
+
+    def switched_traced(*args):  # type: ignore[no-untyped-def]
+        switching[0] = True
+        try:
+            return switched(*args)
+        finally:
+            switching[0] = False
+
+    eng._launch_switched = switched_traced  # type: ignore[method-assign]
+    got = _serve(eng, params)
+    if temperature == 0.0:
+        base = _serve(_engine(small_vocab_dir, SpecConfig(method="none"), overlap=False)[0], params)
+        assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in base.items()}
+    assert [len(got[str(i)].token_ids) for i in range(len(PROMPTS))] == MAX_TOKENS
+    # Switches between steps launched ahead launch the new arm's step (both ways).
+    assert len(launched) >= 3 and {tree, chain} <= set(launched), launched
+    assert _free_blocks_are_zero(eng)
