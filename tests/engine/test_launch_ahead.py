@@ -301,3 +301,25 @@ def test_a_switch_of_drafting_arm_is_launched_ahead(small_vocab_dir: Path, tempe
     # Switches between steps launched ahead launch the new arm's step (both ways).
     assert len(launched) >= 3 and {tree, chain} <= set(launched), launched
     assert _free_blocks_are_zero(eng)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.method)
+def test_a_request_aborted_after_its_prefill_launched_a_step_leaves_nothing(
+    small_vocab_dir: Path, spec: SpecConfig
+) -> None:
+    """The first decode step a prefill launched writes into the request's blocks; aborted before
+    that step is read, the request releases them zeroed after it, and the engine serves the
+    next request as if nothing had happened."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eng, _ = _engine(small_vocab_dir, spec, overlap=True)
+    free = eng.pool.num_free
+    eng.add_request("a", PROMPTS[0], params)
+    eng.step()  # the prefill, which launches the first decode step
+    assert eng._ahead is not None
+    eng.abort_request("a")
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.wait_for_device()
+    assert eng.pool.num_free == free and _free_blocks_are_zero(eng)
+    expected = _engine(small_vocab_dir, spec, overlap=False)[0].generate([PROMPTS[1]], params)
+    assert [o.token_ids for o in eng.generate([PROMPTS[1]], params)] == [o.token_ids for o in expected]
