@@ -36,7 +36,8 @@ step, a wash. 32 nodes is ``max_budget``: the model predicts 2.5% more at 48 nod
 spread between rounds of the measured shapes.
 The chain arm (``CHAIN_DEPTH``) serves large batches, where each drafted depth costs more than
 at batch 1 (chain-4 2.4 against 1.5 ms for an autoregressive step at batch 256): it is 4 deep,
-one less than the optimiser's best chain at batch 1 (5 deep, 1.4% faster in the model).
+one less than the optimiser's best chain at batch 1 (5 deep, 1.4% faster in the model), or as
+deep as the MTP modules where there are more (``graphed_chain_budget``).
 
 Session 37's `gpu` preset has six MTP modules (the four of session 34's inputs left depths 5
 and 6 to the last one). Its statistics (``bench/results/h200-2026-12-04-session37-gpu6-greedy-
@@ -130,6 +131,17 @@ DERIVATIONS = {
         max_width=4,
     ),
 }
+
+
+def graphed_chain_budget(num_mtp_modules: int) -> TreeBudget:
+    """Adaptive speculation's chain arm on the graphed path: ``CHAIN_DEPTH`` deep, or as deep
+    as the MTP modules where there are more. A graphed step runs every module at every step
+    (their catch-up rows keep them all steady for the tree), so a shallower chain pays for the
+    deeper modules' forwards and drafts nothing with them: with the ``gpu`` preset's six modules
+    (session 37) the calibrated chain-4 step cost 10-19% more than with four at every batch
+    size, the tree's the same."""
+    depth = max(CHAIN_DEPTH, num_mtp_modules)
+    return TreeBudget(topk=1, depth=depth, num_draft_tokens=depth)
 
 
 def budget_from_plan(plan: TreePlan, min_path_prob: float = 0.0) -> TreeBudget:
