@@ -149,7 +149,6 @@ class LLMEngine:
             )
         timer = StartupTimer(device)
         self.budget = resolve_budget(spec, device.type, cfg.vocab_size)
-        self._chain_budget = resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size)
         dtype = next(model.parameters()).dtype
         memory = engine_config.kv_memory_bytes or self._default_kv_bytes(device)
         num_blocks = BlockPool.blocks_for_budget(
@@ -186,6 +185,10 @@ class LLMEngine:
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
+        # Adaptive speculation's chain arm: as deep as the MTP modules on the graphed path, where
+        # every step runs them all (``graphed_chain_budget``); the default chain on the host's.
+        self._chain_budget = (graphed_chain_budget(cfg.num_mtp_modules) if use_static
+                              else resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size))  # fmt: skip
         if use_static:
             max_blocks = -(-(self.max_model_len + scratch) // engine_config.block_size)
             with timer.stage("target_graphs"):  # decode and prefill shapes
@@ -205,7 +208,6 @@ class LLMEngine:
                     )  # fmt: skip
                 budgets = [self.budget]
                 if spec.method == "adaptive":  # a chain arm too, for large batches
-                    self._chain_budget = graphed_chain_budget(cfg.num_mtp_modules)
                     budgets.append(self._chain_budget)
                 for budget in budgets:
                     with timer.stage(f"tree_graphs:{budget_label(budget)}"):
@@ -712,7 +714,7 @@ class LLMEngine:
             self._graphed_step(launched, seqs, outputs, ahead)
             self._last_drafting, self._last_runner = launched.budget, launched
             if chosen != budget and chosen.speculates:
-                self._launch_switched(launched, chosen, batch)
+                self._launch_switched(chosen, batch)
         if self.adaptive is not None:
             # What the step cost is its turn: from its launch, through the host work that ran
             # while the device computed it (the last step's commits, the caller's handling of
@@ -728,22 +730,27 @@ class LLMEngine:
         self.last_decode_budget = budget_label(budget)
         return outputs
 
-    def _launch_switched(self, last: GraphedTreeStep, budget: TreeBudget, batch: list[Sequence]) -> None:
-        """Adaptive speculation switches the batch of ``last``'s step, just read, to drafting
-        ``budget``: launch that arm's first step now, as ``last`` would have launched its own
-        next one, its runner taking the batch over on the device (``GraphedTreeStep.adopt``).
-        Only if the whole batch still decoding goes to it (a sequence it cannot take leaves the
-        choice to the next step). Not launched, that first step ran synchronously, the device
+    def _launch_switched(self, budget: TreeBudget, batch: list[Sequence]) -> None:
+        """Adaptive speculation switches the batch of the graphed step just read to drafting
+        ``budget``: launch that arm's first step now, as the step read would have launched its
+        own next one, its runner taking the batch over on the device (``GraphedTreeStep.adopt``,
+        through ``_split_graphed``). Not launched, that first step ran synchronously, the device
         idle through its host work: ~1.8 ms more than a steady step at 44-93 sequences on the
         H200 (session 37's trace), at each switch of a shrinking closed batch."""
         seqs = [s for s in batch if s.status is SeqStatus.RUNNING]
-        if not seqs or not self._may_launch_ahead(seqs):
-            return
-        runner = next((r for r in self._graphed_steps(budget) if type(r) is type(last)), None)
+        if seqs and self._may_launch_ahead(seqs):
+            self._launch_graphed(budget, seqs)
+
+    def _launch_graphed(self, budget: TreeBudget, seqs: list[Sequence]) -> None:
+        """Launch a graphed step of ``budget`` over ``seqs`` ahead of its turn (the next step's
+        ``_read_ahead`` reads it), if one runner takes them all; else leave the step to the
+        next engine step's choice."""
+        runner = next((r for r in self._graphed_steps(budget)
+                       if all(r.serves(s.sampling) for s in seqs)), None)  # fmt: skip
         if runner is None or len(seqs) > runner.max_batch:
             return
-        graphed, host = self._split_graphed(runner, seqs)
-        if host or len(graphed) != len(seqs):
+        self._hidden_log.flush()  # (empty after a drafting step or a prefill of new requests)
+        if self._split_graphed(runner, seqs)[1]:  # some sequence it cannot take
             return
         runner.launch(seqs)
         self._ahead, self._ahead_since, self._last_runner = runner, time.perf_counter(), runner
@@ -980,15 +987,8 @@ class LLMEngine:
             return
         drafting = self._fill_catch_up if self.adaptive is not None else self.budget
         if drafting is not None and drafting.speculates:
-            runner = next((r for r in self._graphed_steps(drafting)
-                           if all(r.eligible(s) for s in seqs)), None)  # fmt: skip
-            if runner is None or len(seqs) > runner.max_batch:  # the next step decides
-                return
-            self._hidden_log.flush()
-            runner.launch(seqs)
-            self._ahead, self._ahead_since, self._last_runner = runner, time.perf_counter(), runner
-            return
-        if self._may_launch_ahead_autoregressive(seqs):
+            self._launch_graphed(drafting, seqs)
+        elif self._may_launch_ahead_autoregressive(seqs):
             hidden = self._decode_hidden(seqs, [s.tokens[-1] for s in seqs], [s.num_committed for s in seqs])
             self._ahead = ARLaunch(seqs, hidden, *self._draw_rows(seqs, self.model.logits(hidden)))
             self._ahead_since = time.perf_counter()
