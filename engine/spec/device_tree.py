@@ -19,6 +19,7 @@ from engine.kernels import run_kernel, triton_available
 from engine.simulator.tree_shape import TreeShape
 
 TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
+_TINY = torch.finfo(torch.float32).tiny  # keeps exponential-race keys finite
 
 
 def topk_last(x: Tensor, k: int, chunk: int = 128) -> tuple[Tensor, Tensor]:
@@ -57,6 +58,43 @@ def logprob_topk(
     out[0].copy_(values)
     out[1].copy_(index)
     return out
+
+
+def race_draw(
+    logits: Tensor, temperature: Tensor, rows_per_temp: int, k: int, fused: bool | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """For logits [R, V] of rows sampling with neither top-k nor top-p: the law
+    ``softmax(logits / T)`` [R, V] float32 (row ``r`` at ``temperature[r // rows_per_temp]``)
+    and ``k`` draws from it without replacement by an exponential race: the ``k`` largest keys
+    ``q / E`` [R, k] (0: the law had no mass left for that draw) and their tokens [R, k] (the
+    order of the draws). ``k = 0``: the law only. The noise ``E`` is drawn here from the default
+    generator (graph-safe). One fused kernel on CUDA with Triton (``fused``: None for that, else
+    whether to); else torch ops (``race_draw_torch``)."""
+    R, V = logits.shape
+    if temperature.shape[0] * rows_per_temp != R:
+        raise ValueError(f"{R} rows do not make {temperature.shape[0]} groups of {rows_per_temp}")
+    noise = torch.empty(R, V, device=logits.device).exponential_() if k > 0 else None  # [R, V]
+    if (logits.is_cuda and triton_available()) if fused is None else fused:
+        from engine.kernels.race_draw import MAX_VOCAB, race_draw_triton
+
+        if V <= MAX_VOCAB:
+            result = run_kernel("race_draw", lambda: race_draw_triton(logits, temperature, rows_per_temp, noise, k))
+            if result is not None:
+                return result
+    return race_draw_torch(logits, temperature, rows_per_temp, noise, k)
+
+
+def race_draw_torch(
+    logits: Tensor, temperature: Tensor, rows_per_temp: int, noise: Tensor | None, k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``race_draw`` as torch ops, on given noise [R, V] (None with ``k = 0``)."""
+    temp = temperature.to(torch.float32)[:, None].expand(-1, rows_per_temp).reshape(-1)  # [R]
+    q = (logits.float() / temp[:, None]).softmax(dim=-1)  # [R, V]
+    if k == 0 or noise is None:
+        empty = q.new_empty(q.shape[0], 0)
+        return q, empty, empty.long()
+    keys, index = (q / noise.clamp(min=_TINY)).topk(k, -1)  # [R, k]
+    return q, keys, index
 
 
 _TIES: dict[tuple[int, torch.device], Tensor] = {}
@@ -238,9 +276,6 @@ def accept_greedy_torch(
     path_parent = parents.gather(1, path)
     rank = ((parents[:, None, :] == path_parent[:, :, None]) & (node < path[:, :, None]) & (node >= 1)).sum(-1)
     return AcceptedPath(a, path, j[None] <= a, target.gather(1, best), has_child, rank)
-
-
-_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass

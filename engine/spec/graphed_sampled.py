@@ -40,7 +40,13 @@ from engine.params import SamplingParams
 from engine.sampling import probs_from_logits
 from engine.sequence import Sequence
 from engine.simulator.tree_shape import TreeShape
-from engine.spec.device_tree import AcceptedPath, StaticTree, accept_sampled, ancestor_mask
+from engine.spec.device_tree import (
+    AcceptedPath,
+    StaticTree,
+    accept_sampled,
+    ancestor_mask,
+    race_draw,
+)
 from engine.spec.drafter import TreeBudget
 from engine.spec.graphed_tree import DEFAULT_BUCKETS, GraphedTreeStep, _Buffers
 
@@ -116,17 +122,30 @@ class GraphedSampledTree(GraphedTreeStep):
 
     def _probs(self, buf: _Buffers, logits: Tensor) -> Tensor:  # [B, R, V] -> [B, R, V] float32
         B, R, V = logits.shape
+        if not self.variant:  # temperature only: one fused kernel on the GPU
+            return race_draw(logits.reshape(B * R, V), buf.temperature, R, 0)[0].view(B, R, V)
         per_row = [t[:, None].expand(B, R).reshape(-1) for t in (buf.temperature, buf.top_k, buf.top_p)]
-        probs = probs_from_logits(logits.reshape(B * R, V), *per_row, filters=self.variant)
+        probs = probs_from_logits(logits.reshape(B * R, V), *per_row, filters=True)
         return probs.view(B, R, V)
+
+    def _draw(self, buf: _Buffers, logits: Tensor, w: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Each row's draft law q [B, F, V] and ``w`` children drawn from it without
+        replacement by an exponential race: their keys [B, F, w] (0: no mass left) and tokens
+        [B, F, w], in draw order. Temperature only: one fused kernel on the GPU (``race_draw``;
+        as torch ops it was ~30 kernels a depth, the radix top-k most of them)."""
+        B, F, V = logits.shape
+        if not self.variant:
+            q, key, drawn = race_draw(logits.reshape(B * F, V), buf.temperature, F, w)
+            return q.view(B, F, V), key.view(B, F, w), drawn.view(B, F, w)
+        q = self._probs(buf, logits)
+        key, drawn = (q / torch.empty_like(q).exponential_().clamp_(min=_TINY)).topk(w, -1)
+        return q, key, drawn
 
     def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
         if m == 1:
             self._tokens, self._valid, self._q = [], [], []
         B, H = buf.bucket, self.hidden_size
-        q = self._probs(buf, self.model.logits(front_hidden))  # [B, F, V]
-        keys = q / torch.empty_like(q).exponential_().clamp_(min=_TINY)  # exponential race
-        key, drawn = keys.topk(self.draws[m - 1], -1)  # [B, F, w] in draw order
+        q, key, drawn = self._draw(buf, self.model.logits(front_hidden), self.draws[m - 1])  # [B, F, *]
         index = self._drawn_index[m - 1]
         self._tokens.append(drawn.flatten(1)[:, index])  # [B, n_m]
         self._valid.append(key.flatten(1)[:, index] > 0)

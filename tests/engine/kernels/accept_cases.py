@@ -75,6 +75,34 @@ def check_logprob_topk(device: str) -> tuple[float, float]:
     return err, 1e-5
 
 
+def check_race_draw(device: str) -> tuple[float, float]:
+    """Largest difference of the fused law + exponential race from ``race_draw_torch`` on the
+    same noise (laws and keys, relative to the row's largest), 1.0 if a drawn token with mass
+    differs; vocabularies below and at a power of two, 16-bit logits, laws with tokens of no
+    mass (a cold temperature), one group of rows per temperature and several."""
+    from engine.kernels.race_draw import race_draw_triton
+    from engine.spec.device_tree import race_draw_torch
+
+    gen = torch.Generator().manual_seed(12)
+    err = 0.0
+    for rows, per, vocab, k, scale, dtype in [(6, 3, 1000, 3, 3.0, torch.float32), (4, 1, 8192, 1, 3.0, torch.float32),
+                                              (8, 2, 8192, 4, 2.0, torch.bfloat16), (3, 3, 50, 0, 1.0, torch.float32),
+                                              (4, 4, 64, 4, 400.0, torch.float32), (2, 1, 4, 4, 1.0, torch.float16)]:  # fmt: skip
+        logits = (scale * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
+        temperature = (0.3 + torch.rand(rows // per, generator=gen)).to(device)
+        noise = torch.empty(rows, vocab).exponential_(generator=gen).to(device) if k else None
+        want_q, want_k, want_i = race_draw_torch(logits, temperature, per, noise, k)
+        got_q, got_k, got_i = race_draw_triton(logits, temperature, per, noise, k)
+        if got_q.shape != want_q.shape or got_k.shape != (rows, k) or got_i.shape != (rows, k):
+            return 1.0, 1e-5
+        if not torch.equal(got_i[want_k > 0], want_i[want_k > 0]) or bool((got_k[want_k == 0] != 0).any()):
+            return 1.0, 1e-5
+        err = max(err, ((got_q - want_q).abs().amax(-1) / want_q.amax(-1)).max().item())
+        if k:
+            err = max(err, ((got_k - want_k).abs() / want_k[:, :1]).max().item())
+    return err, 1e-5
+
+
 def _random_sampled_case(gen: torch.Generator, B: int, n: int, depth: int, V: int, device: str):  # type: ignore[no-untyped-def]
     """A random tree of ``n`` nodes (at most ``depth`` deep), laws p and q close to each other,
     children drawn from their parent's q (distinct tokens), a few draws marked invalid."""

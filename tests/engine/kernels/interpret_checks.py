@@ -25,6 +25,7 @@ from tests.engine.kernels.accept_cases import (
     check_accept_greedy,
     check_accept_sampled,
     check_logprob_topk,
+    check_race_draw,
 )
 from tests.engine.kernels.commit_cases import check_tree_commit
 from tests.engine.kernels.draft_cases import (
@@ -173,6 +174,7 @@ def run_all() -> dict[str, dict]:
         "draft_layer/fp32_fused": lambda: check_draft_layer("cpu", torch.float32, True),
         "accept/greedy_random_trees": lambda: check_accept_greedy("cpu"),
         "accept/logprob_topk": lambda: check_logprob_topk("cpu"),
+        "accept/race_draw": lambda: check_race_draw("cpu"),
         "accept/sampled_random_trees": lambda: check_accept_sampled("cpu"),
         "tree/grow_frontier": lambda: check_grow_frontier("cpu"),
         "tree/select": lambda: check_select_tree("cpu"),

@@ -66,11 +66,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "draft_rope_gpu": ("draft_rope", dict(R=256, HALF=16, BLOCK_H=16, BLOCK_R=256, BLOCK_LORA=512,
                                           BLOCK_D=1024, INTERLEAVE=True), 4, 1),
     "scaled_silu_mul_gpu": ("scaled_silu", dict(BLOCK=1024, BLOCK_D=1024), 4, 1),
+    # The sampled drafting depth's law and exponential race at the gpu preset's vocabulary
+    # (8192: a row in registers at 8 warps), one draw (the chain) and four (the tree's depth 1),
+    # and the verify step's law alone.
+    "race_draw_v8192_k1": ("race_draw", dict(K=1, BLOCK=8192), 8, 1),
+    "race_draw_v8192_k4": ("race_draw", dict(K=4, BLOCK=8192), 8, 1),
+    "race_draw_v8192_law": ("race_draw", dict(K=0, BLOCK=8192), 8, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
             "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768",
             "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs",
-            "rope_latent_gpu", "draft_rope_gpu", "scaled_silu_mul_gpu"]
+            "rope_latent_gpu", "draft_rope_gpu", "scaled_silu_mul_gpu", "race_draw_v8192_k1",
+            "race_draw_v8192_k4", "race_draw_v8192_law"]
 # Variants allowed a few spilled bytes: the R=256 default tile spills 584 bytes at 4 warps with
 # rows packed token x 12 heads (its float32 accumulator and bfloat16 queries take 192 of 255
 # registers) and 340 with each token's heads padded to 16 rows (the small grids' layout); it was
@@ -86,6 +93,8 @@ STEP_TYPES = {"tables_ptr": "*i32", "kv_ptr": "*bf16", "live_ptr": "*i1", "next_
               "ctx_ptr": "*i32", "prev0_ptr": "*bf16", "prev1_ptr": "*bf16", "prev2_ptr": "*bf16",
               "emb_ptr": "*bf16", "ew_ptr": "*bf16", "hw_ptr": "*bf16", "out_ptr": "*bf16",
               "eps_e": "fp32", "eps_h": "fp32"}
+RACE_TYPES = {"x_ptr": "*bf16", "temp_ptr": "*fp32", "noise_ptr": "*fp32", "q_ptr": "*fp32",
+              "key_ptr": "*fp32", "idx_ptr": "*i64"}
 # Argument types of the RoPE kernels' non-bf16 arguments (the rest: ``_arg_type``).
 ROPE_TYPES = {"pos_ptr": "*i64", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32", "attention_factor": "fp32",
               "eps_x": "fp32", "eps_q": "fp32", "eps_kv": "fp32"}
@@ -126,6 +135,7 @@ def compile_variant(name: str) -> dict[str, Any]:
         _silu_mul_kernel,
     )
     from engine.kernels.mtp_rows import _mtp_rows_kernel
+    from engine.kernels.race_draw import _race_draw_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
     from engine.kernels.tree_select import _rank_kernel, _tables_kernel
@@ -147,7 +157,7 @@ def compile_variant(name: str) -> dict[str, Any]:
           "step_zero": _zero_cache_rows_kernel, "step_advance": _advance_kernel,
           "step_write": _write_outputs_kernel, "step_mtp_parts": _mtp_input_kernel,
           "rope_latent": _rope_latent_kernel, "draft_rope": _draft_rope_kernel,
-          "scaled_silu": _scaled_silu_mul_kernel}[kind]  # fmt: skip
+          "scaled_silu": _scaled_silu_mul_kernel, "race_draw": _race_draw_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {"BLOCK_R": 512, "BLOCK_P": 64, **consts,
@@ -156,6 +166,8 @@ def compile_variant(name: str) -> dict[str, Any]:
     def arg_type(arg: str) -> str:
         if kind.startswith("step_"):  # int64 pointers but for the typed ones, int32 sizes
             return STEP_TYPES.get(arg, "*i64" if arg.endswith("_ptr") else "i64" if arg.startswith("stride") else "i32")
+        if kind == "race_draw" and arg in RACE_TYPES:
+            return RACE_TYPES[arg]
         if arg in ROPE_TYPES:
             return ROPE_TYPES[arg]
         if not kind.startswith("tree_"):

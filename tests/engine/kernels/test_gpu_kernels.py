@@ -162,6 +162,13 @@ def test_fused_logprob_topk_equals_the_torch_ops_on_gpu() -> None:
     assert err <= tol, err
 
 
+def test_fused_race_draw_equals_the_torch_ops_on_gpu() -> None:
+    from tests.engine.kernels.accept_cases import check_race_draw
+
+    err, tol = check_race_draw("cuda")
+    assert err <= tol, err
+
+
 def test_fused_tree_commit_is_bit_exact_on_gpu() -> None:
     from tests.engine.kernels.commit_cases import check_tree_commit
 

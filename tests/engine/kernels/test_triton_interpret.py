@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 CASE_NAMES = [f"attention/{k}" for k in ATTENTION_CASES] + [
     f"compaction/{k}" for k in COMPACTION_CASES
 ] + [f"{kind}/{k}" for kind in ("rms_norm", "rope_latent", "mtp_input", "silu_mul", "add_rms_norm") for k in INTERPRETED_FUSED] + [
-    "accept/greedy_random_trees", "accept/logprob_topk", "accept/sampled_random_trees",
+    "accept/greedy_random_trees", "accept/logprob_topk", "accept/race_draw", "accept/sampled_random_trees",
     "tree/grow_frontier", "tree/select", "tree/mtp_rows", "tree/commit_kv",
 ] + [f"draft_layer/{k}" for k in ("rope_fp32", "rope_fp16", "scaled_silu_mul_fp32", "fp32_fused")] + [f"step_io/{k}" for k in ("step_start", "verify_inputs", "zero_cache_rows", "advance", "write_outputs",
                               "mtp_input_parts", "engine_greedy")]  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.spec.device_tree import accept_greedy, ancestor_mask, select_nodes, topk_last
+from engine.spec.device_tree import accept_greedy, ancestor_mask, race_draw, select_nodes, topk_last
 from engine.spec.tree import DraftTree, select_best_nodes
 from engine.spec.verifier import verify_greedy
 
@@ -83,3 +83,28 @@ def test_two_stage_topk_equals_topk(shape: tuple[int, ...], k: int, chunk: int) 
     values, index = topk_last(x, k, chunk)
     want_values, want_index = x.topk(k, -1)
     assert torch.equal(values, want_values) and torch.equal(index, want_index)
+
+
+def test_race_draw_gives_each_group_its_temperature_law_and_draws_distinct_tokens_with_mass() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = 4 * torch.randn(6, 40, generator=gen)
+    logits[:, 30:] = -float("inf")  # tokens of no mass are never drawn
+    temperature = torch.tensor([0.5, 2.0])  # rows 0-2, rows 3-5
+    torch.manual_seed(0)
+    q, keys, tokens = race_draw(logits, temperature, 3, 4)
+    want = torch.cat([(logits[:3] / 0.5).softmax(-1), (logits[3:] / 2.0).softmax(-1)])
+    assert torch.allclose(q, want) and q.dtype == torch.float32
+    assert keys.shape == tokens.shape == (6, 4) and bool((keys[:, :-1] >= keys[:, 1:]).all())
+    assert bool((tokens < 30).all()) and all(len(set(row)) == 4 for row in tokens.tolist())
+    law, no_keys, no_tokens = race_draw(logits, temperature, 3, 0)  # the law alone
+    assert torch.equal(law, want) and no_keys.shape == no_tokens.shape == (6, 0)
+    with pytest.raises(ValueError, match="6 rows do not make 2 groups of 2"):
+        race_draw(logits, temperature, 2, 1)
+
+
+def test_race_draw_first_draw_follows_the_law() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).expand(20000, 4)
+    torch.manual_seed(1)
+    q, _, tokens = race_draw(logits, torch.ones(1), 20000, 1)
+    counts = torch.bincount(tokens[:, 0], minlength=4).double() / 20000
+    assert torch.allclose(counts, q[0].double(), atol=0.015)
