@@ -85,21 +85,23 @@ class GraphedSampledTree(GraphedTreeStep):
         self.shape = shape
         dev = self.device
         self.draws = [max(len(kids[i]) for i in f) for f in fronts]  # [m - 1] children drawn per row
-        # Depth m's nodes as flat indices into its draws [F_m * draws_m]; the nodes in that order.
+        # Column gathers of the step's tensors, None where one takes every column in order (a
+        # chain's: no gather kernel). Depth m's nodes as flat indices into its draws
+        # [F_m * draws_m]; the nodes in that order.
         self._drawn_index, order = [], []
         for m, front in enumerate(fronts, start=1):
             flat = [j * self.draws[m - 1] + shape.ranks[c] for j, p in enumerate(front) for c in kids[p]]
-            self._drawn_index.append(torch.tensor(flat, device=dev))
+            self._drawn_index.append(_columns(flat, len(front) * self.draws[m - 1], dev))
             order += [c for p in front for c in kids[p]]
-        self._to_shape_order = torch.argsort(torch.tensor(order, device=dev))  # depth-major -> node - 1
+        self._to_shape_order = _columns(sorted(range(len(order)), key=order.__getitem__), len(order), dev)
         # Next frontier (depth m nodes with children): position among depth m's nodes, and
         # the row of its parent among depth m's frontier rows.
         self._next_front, self._next_parent = [], []
         for m, front in enumerate(fronts[1:], start=1):
             level = [c for p in fronts[m - 1] for c in kids[p]]
-            self._next_front.append(torch.tensor([level.index(n) for n in front], device=dev))
-            self._next_parent.append(torch.tensor(
-                [fronts[m - 1].index(shape.parents[n]) for n in front], device=dev))  # fmt: skip
+            self._next_front.append(_columns([level.index(n) for n in front], len(level), dev))
+            self._next_parent.append(_columns([fronts[m - 1].index(shape.parents[n]) for n in front],
+                                              len(fronts[m - 1]), dev))  # fmt: skip
         # Tree structure, static; draft-distribution rows in frontier order, depth by depth.
         self.tree = StaticTree.build(shape, [i for f in fronts for i in f], dev)
         self._depths = torch.tensor(depths, device=dev)  # [N+1]
@@ -147,25 +149,34 @@ class GraphedSampledTree(GraphedTreeStep):
         B, H = buf.bucket, self.hidden_size
         q, key, drawn = self._draw(buf, self.model.logits(front_hidden), self.draws[m - 1])  # [B, F, *]
         index = self._drawn_index[m - 1]
-        self._tokens.append(drawn.flatten(1)[:, index])  # [B, n_m]
-        self._valid.append(key.flatten(1)[:, index] > 0)
+        self._tokens.append(_take(drawn.flatten(1), index))  # [B, n_m]
+        self._valid.append(_take(key.flatten(1), index) > 0)
         self._q.append(q)
         if m == self.D:
             return self._tokens[-1], front_hidden  # no deeper frontier
-        nxt = self._next_front[m - 1]
-        prev = front_hidden[:, self._next_parent[m - 1]]  # [B, F', H] parent rows' outputs
-        return self._tokens[-1][:, nxt], prev.reshape(B, -1, H)
+        prev = _take(front_hidden, self._next_parent[m - 1])  # [B, F', H] parent rows' outputs
+        return _take(self._tokens[-1], self._next_front[m - 1]), prev.reshape(B, -1, H)
 
     def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
         B, n = buf.bucket, self.N + 1
-        drafts = torch.cat(self._tokens, 1)[:, self._to_shape_order]  # [B, N] in node order
+        drafts = _take(torch.cat(self._tokens, 1), self._to_shape_order)  # [B, N] in node order
         tokens = torch.cat([self._root[:, None], drafts], 1)  # [B, N+1]
         return tokens, self._depths.expand(B, n), self._mask.expand(B, n, n)
 
     def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
         valid = torch.cat([torch.ones_like(tokens[:, :1], dtype=torch.bool),
-                           torch.cat(self._valid, 1)[:, self._to_shape_order]], 1)  # fmt: skip
+                           _take(torch.cat(self._valid, 1), self._to_shape_order)], 1)  # fmt: skip
         return accept_sampled(
             tokens, valid, self._probs(buf, self.model.logits(hidden)), torch.cat(self._q, 1),
             self.tree,
         )
+
+
+def _columns(index: list[int], width: int, device: torch.device) -> Tensor | None:
+    """``index`` as a device tensor of columns to gather from ``width``, None where it takes
+    every column in order."""
+    return None if index == list(range(width)) else torch.tensor(index, device=device)
+
+
+def _take(x: Tensor, columns: Tensor | None) -> Tensor:  # [B, C, ...] -> [B, len(columns), ...]
+    return x if columns is None else x[:, columns]
