@@ -72,12 +72,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     "race_draw_v8192_k1": ("race_draw", dict(K=1, BLOCK=8192), 8, 1),
     "race_draw_v8192_k4": ("race_draw", dict(K=4, BLOCK=8192), 8, 1),
     "race_draw_v8192_law": ("race_draw", dict(K=0, BLOCK=8192), 8, 1),
+    # Sampled acceptance (its passes under branches on the walk's state): a chain of 6 and the
+    # default sampled tree's widest level.
+    "accept_sampled_chain6": ("accept_sampled", dict(DEPTH=6, WIDTH=1, BLOCK_V=1024), 4, 1),
+    "accept_sampled_tree": ("accept_sampled", dict(DEPTH=6, WIDTH=4, BLOCK_V=1024), 4, 1),
 }
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
             "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768",
             "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs",
             "rope_latent_gpu", "draft_rope_gpu", "scaled_silu_mul_gpu", "race_draw_v8192_k1",
-            "race_draw_v8192_k4", "race_draw_v8192_law"]
+            "race_draw_v8192_k4", "race_draw_v8192_law", "accept_sampled_chain6", "accept_sampled_tree"]
 # Variants allowed a few spilled bytes: the R=256 default tile spills 584 bytes at 4 warps with
 # rows packed token x 12 heads (its float32 accumulator and bfloat16 queries take 192 of 255
 # registers) and 340 with each token's heads padded to 16 rows (the small grids' layout); it was
@@ -95,6 +99,8 @@ STEP_TYPES = {"tables_ptr": "*i32", "kv_ptr": "*bf16", "live_ptr": "*i1", "next_
               "eps_e": "fp32", "eps_h": "fp32"}
 RACE_TYPES = {"x_ptr": "*bf16", "temp_ptr": "*fp32", "noise_ptr": "*fp32", "q_ptr": "*fp32",
               "key_ptr": "*fp32", "idx_ptr": "*i64"}
+ACCEPT_TYPES = {"tok_ptr": "*i64", "valid_ptr": "*u8", "child_ptr": "*i64", "qrow_ptr": "*i64",
+                "num_ptr": "*i64", "path_ptr": "*i64", "bonus_ptr": "*i64"}
 # Argument types of the RoPE kernels' non-bf16 arguments (the rest: ``_arg_type``).
 ROPE_TYPES = {"pos_ptr": "*i64", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32", "attention_factor": "fp32",
               "eps_x": "fp32", "eps_q": "fp32", "eps_kv": "fp32"}
@@ -136,6 +142,7 @@ def compile_variant(name: str) -> dict[str, Any]:
     )
     from engine.kernels.mtp_rows import _mtp_rows_kernel
     from engine.kernels.race_draw import _race_draw_kernel
+    from engine.kernels.sampled_accept import _accept_sampled_kernel
     from engine.kernels.tree_grow import _grow_kernel
     from engine.kernels.tree_mla_attention import _combine_splits_kernel, _tree_mla_fwd_kernel
     from engine.kernels.tree_select import _rank_kernel, _tables_kernel
@@ -157,7 +164,8 @@ def compile_variant(name: str) -> dict[str, Any]:
           "step_zero": _zero_cache_rows_kernel, "step_advance": _advance_kernel,
           "step_write": _write_outputs_kernel, "step_mtp_parts": _mtp_input_kernel,
           "rope_latent": _rope_latent_kernel, "draft_rope": _draft_rope_kernel,
-          "scaled_silu": _scaled_silu_mul_kernel, "race_draw": _race_draw_kernel}[kind]  # fmt: skip
+          "scaled_silu": _scaled_silu_mul_kernel, "race_draw": _race_draw_kernel,
+          "accept_sampled": _accept_sampled_kernel}[kind]  # fmt: skip
     fp32 = name.endswith("fp32_ieee")
     if kind == "attention":
         consts = {"BLOCK_R": 512, "BLOCK_P": 64, **consts,
@@ -168,6 +176,8 @@ def compile_variant(name: str) -> dict[str, Any]:
             return STEP_TYPES.get(arg, "*i64" if arg.endswith("_ptr") else "i64" if arg.startswith("stride") else "i32")
         if kind == "race_draw" and arg in RACE_TYPES:
             return RACE_TYPES[arg]
+        if kind == "accept_sampled":
+            return ACCEPT_TYPES.get(arg, "*fp32" if arg.endswith("_ptr") else "i32")
         if arg in ROPE_TYPES:
             return ROPE_TYPES[arg]
         if not kind.startswith("tree_"):
