@@ -122,6 +122,12 @@ class GraphedSampledTree(GraphedTreeStep):
         copy_to_device(buf.top_p[:n], torch.tensor([p.top_p for p in params]))
         self.variant = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 
+    def _head(self, hidden: Tensor) -> Tensor:  # [B, R, H] -> [B, R, V]
+        """Logits of normalised hidden states, as the laws' kernels read them: on the GPU the
+        head's own dtype (the law is computed in float32 either way; a cast of the 16-bit
+        logits was one more kernel per depth), else ``model.logits``."""
+        return self.model.lm_head(hidden) if hidden.is_cuda else self.model.logits(hidden)
+
     def _probs(self, buf: _Buffers, logits: Tensor) -> Tensor:  # [B, R, V] -> [B, R, V] float32
         B, R, V = logits.shape
         if not self.variant:  # temperature only: one fused kernel on the GPU
@@ -147,7 +153,7 @@ class GraphedSampledTree(GraphedTreeStep):
         if m == 1:
             self._tokens, self._valid, self._q = [], [], []
         B, H = buf.bucket, self.hidden_size
-        q, key, drawn = self._draw(buf, self.model.logits(front_hidden), self.draws[m - 1])  # [B, F, *]
+        q, key, drawn = self._draw(buf, self._head(front_hidden), self.draws[m - 1])  # [B, F, *]
         index = self._drawn_index[m - 1]
         self._tokens.append(_take(drawn.flatten(1), index))  # [B, n_m]
         self._valid.append(_take(key.flatten(1), index) > 0)
@@ -167,7 +173,7 @@ class GraphedSampledTree(GraphedTreeStep):
         valid = torch.cat([torch.ones_like(tokens[:, :1], dtype=torch.bool),
                            _take(torch.cat(self._valid, 1), self._to_shape_order)], 1)  # fmt: skip
         return accept_sampled(
-            tokens, valid, self._probs(buf, self.model.logits(hidden)), torch.cat(self._q, 1),
+            tokens, valid, self._probs(buf, self._head(hidden)), torch.cat(self._q, 1),
             self.tree,
         )
 
