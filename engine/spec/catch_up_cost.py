@@ -16,6 +16,15 @@ the fixed part the median of what each point leaves beyond that slope. A median 
 stall (a garbage collection, a kernel compiled for a new shape) and to a catch-up timed short.
 With points of one size only, the cost is proportional to the rows, at their lower median cost
 per row (the previous model: dear for larger catch-ups, never cheaper than measured).
+
+Where the start-up calibration spans two sizes, the slope is the calibration's alone, and the
+catch-ups measured in served steps move the fixed part only. What a row costs is device work,
+which the calibration times cleanly over 64 to 4096 rows; a catch-up measured in a step carries
+what that step adds (the wait for work queued before it, the host's loads), a fixed cost. Taken
+into the slope, the small catch-ups after autoregressive runs (96-384 rows, fixed cost
+dominated) made slopes of several us per row from pairs a few hundred rows apart: on the H200
+in session 38 the fit put 8192 rows at 29 ms by the sweep's batch 128 (a fresh engine's
+calibration and trace: 9.4 ms), and batches 128 and 256 decoded autoregressively on it.
 """
 
 from __future__ import annotations
@@ -65,15 +74,20 @@ class CatchUpCost:
         points = [*self._calibrated, *self._measured]
         if not points:
             return 0.0, 0.0
-        slopes = [
-            (s2 - s1) / (r2 - r1)
-            for i, (r1, s1) in enumerate(points)
-            for r2, s2 in points[i + 1 :]
-            if max(r1, r2) >= SIZE_RATIO * min(r1, r2)
-        ]
+        slopes = _slopes(self._calibrated) or _slopes(points)
         if not slopes:  # one size: proportional, at the lower median cost per row
             per_row = sorted(s / r for r, s in points)
             return 0.0, per_row[(len(per_row) - 1) // 2]
         slope = max(median(slopes), 0.0)
         fixed = max(median(s - slope * r for r, s in points), 0.0)
         return fixed, slope
+
+
+def _slopes(points: list[tuple[int, float]]) -> list[float]:
+    """Seconds per row between every two points of different sizes (Theil-Sen's pairs)."""
+    return [
+        (s2 - s1) / (r2 - r1)
+        for i, (r1, s1) in enumerate(points)
+        for r2, s2 in points[i + 1 :]
+        if max(r1, r2) >= SIZE_RATIO * min(r1, r2)
+    ]

@@ -61,3 +61,19 @@ def test_calibration_points_stay_when_the_window_rolls() -> None:
     for _ in range(10):
         cost.observe(64, 0.012)
     assert cost.seconds(1024) == pytest.approx(0.030, rel=0.05)
+
+
+def test_small_catch_ups_measured_in_steps_move_the_fixed_part_not_the_slope() -> None:
+    """Calibrated over 1, 16 and 64 prompts, then catch-ups of a few hundred rows measured in
+    steps, each ~1.5 ms dearer than the calibration's line (what the step adds). Their pairs
+    had put the slope near 3 us per row and 8192 rows at 25 ms (session 38's sweep: 29 ms);
+    the calibrated slope stays and the fixed part takes the extra."""
+    fresh, cost = CatchUpCost(), CatchUpCost()
+    for fit in (fresh, cost):
+        fit.calibrate([(64, 0.0011), (1024, 0.0020), (4096, 0.0045)])
+    line = fresh.seconds(8192)
+    for rows, seconds in [(96, 0.0025), (192, 0.0030), (96, 0.0024), (192, 0.0028), (384, 0.0035),
+                          (192, 0.0031), (48, 0.0022), (384, 0.0033)]:  # fmt: skip
+        cost.observe(rows, seconds)
+    assert line < cost.seconds(8192) < line + 0.002
+    assert cost.seconds(8192) - cost.seconds(4096) == pytest.approx(line - fresh.seconds(4096))
