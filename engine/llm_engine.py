@@ -52,7 +52,6 @@ from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import (
     LIVE_STATS_MIN_STEPS,
-    graphed_chain_budget,
     resolve_budget,
     sampled_tree_shape,
 )
@@ -185,10 +184,8 @@ class LLMEngine:
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
-        # Adaptive speculation's chain arm: as deep as the MTP modules on the graphed path, where
-        # every step runs them all (``graphed_chain_budget``); the default chain on the host's.
-        self._chain_budget = (graphed_chain_budget(cfg.num_mtp_modules) if use_static
-                              else resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size))  # fmt: skip
+        # Adaptive speculation's chain arm, ``CHAIN_DEPTH`` deep (engine/spec/defaults.py).
+        self._chain_budget = resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size)
         if use_static:
             max_blocks = -(-(self.max_model_len + scratch) // engine_config.block_size)
             with timer.stage("target_graphs"):  # decode and prefill shapes

@@ -36,8 +36,15 @@ step, a wash. 32 nodes is ``max_budget``: the model predicts 2.5% more at 48 nod
 spread between rounds of the measured shapes.
 The chain arm (``CHAIN_DEPTH``) serves large batches, where each drafted depth costs more than
 at batch 1 (chain-4 2.4 against 1.5 ms for an autoregressive step at batch 256): it is 4 deep,
-one less than the optimiser's best chain at batch 1 (5 deep, 1.4% faster in the model), or as
-deep as the MTP modules where there are more (``graphed_chain_budget``).
+one less than the optimiser's best chain at batch 1 (5 deep, 1.4% faster in the model). With
+more MTP modules than that it stays 4 deep, though a graphed step runs every module (the deeper
+ones over their catch-up rows): session 37 made it as deep as the modules (chain-6 on the six-
+module `gpu` preset, whose chain-4 step had cost 10-19% more than with four modules), and
+session 38's sweep (``bench/results/h200-2026-12-04-session38-4702819-sweep.md``) had chain-6
+dearer per token than session 37's chain-4 where the chain serves: 0.51 against 0.47 ms at batch
+128 and 0.82 against 0.72 at 256, greedy (0.36 against 0.37 at 64), its drain longer (16.8
+against 11.4 ms at 128); batches 128 and 256 decoded autoregressively and ran 0.97x and 0.99x,
+where session 37's chain-4 had drafted them at 1.06x and 1.17x.
 
 Session 37's `gpu` preset has six MTP modules (the four of session 34's inputs left depths 5
 and 6 to the last one). Its statistics (``bench/results/h200-2026-12-04-session37-gpu6-greedy-
@@ -131,17 +138,6 @@ DERIVATIONS = {
         max_width=4,
     ),
 }
-
-
-def graphed_chain_budget(num_mtp_modules: int) -> TreeBudget:
-    """Adaptive speculation's chain arm on the graphed path: ``CHAIN_DEPTH`` deep, or as deep
-    as the MTP modules where there are more. A graphed step runs every module at every step
-    (their catch-up rows keep them all steady for the tree), so a shallower chain pays for the
-    deeper modules' forwards and drafts nothing with them: with the ``gpu`` preset's six modules
-    (session 37) the calibrated chain-4 step cost 10-19% more than with four at every batch
-    size, the tree's the same."""
-    depth = max(CHAIN_DEPTH, num_mtp_modules)
-    return TreeBudget(topk=1, depth=depth, num_draft_tokens=depth)
 
 
 def budget_from_plan(plan: TreePlan, min_path_prob: float = 0.0) -> TreeBudget:
