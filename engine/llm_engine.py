@@ -50,11 +50,7 @@ from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
-from engine.spec.defaults import (
-    LIVE_STATS_MIN_STEPS,
-    resolve_budget,
-    sampled_tree_shape,
-)
+from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_catch_up import GraphedCatchUp
 from engine.spec.graphed_sampled import GraphedSampledTree

@@ -120,7 +120,7 @@ def probs_from_logits(
     device = logits.device
     temperature = temperature.to(device=device, dtype=torch.float32)  # [N]
     if filters is False:  # every row samples with neither rule: the greedy and filter stages are no-ops
-        return _temperature_softmax(logits, temperature)
+        return temperature_softmax(logits, temperature)
     logits = logits.float()  # [N, V]
     n, v = logits.shape
     greedy = temperature <= 0.0  # [N] bool
@@ -162,11 +162,11 @@ def temperature_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor: 
     small model is host-bound: the general call had cost ~15 more kernels than greedy)."""
     if any(not t > 0.0 for t in temperatures):
         raise ValueError("temperature_probs needs temperatures > 0 (greedy rows take the argmax)")
-    return _temperature_softmax(logits, to_device(torch.tensor(temperatures, dtype=torch.float32), logits.device))
+    return temperature_softmax(logits, to_device(torch.tensor(temperatures, dtype=torch.float32), logits.device))
 
 
-def _temperature_softmax(logits: Tensor, temperature: Tensor) -> Tensor:  # [N, V] -> [N, V] float32
-    """softmax(logits / T) per row: what every stage of ``probs_from_logits`` leaves of a row
+def temperature_softmax(logits: Tensor, temperature: Tensor) -> Tensor:  # [N, V] -> [N, V] float32
+    """softmax(logits / T) per row (``temperature`` [N] on the device): what every stage of ``probs_from_logits`` leaves of a row
     that samples (T > 0) with neither top-k nor top-p, in the same operations."""
     return (logits.float() / temperature[:, None]).softmax(dim=-1)
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.kernels import run_kernel, triton_available
+from engine.sampling import temperature_softmax
 from engine.simulator.tree_shape import TreeShape
 
 TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
@@ -89,12 +90,18 @@ def race_draw_torch(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``race_draw`` as torch ops, on given noise [R, V] (None with ``k = 0``)."""
     temp = temperature.to(torch.float32)[:, None].expand(-1, rows_per_temp).reshape(-1)  # [R]
-    q = (logits.float() / temp[:, None]).softmax(dim=-1)  # [R, V]
+    q = temperature_softmax(logits, temp)  # [R, V]
     if k == 0 or noise is None:
         empty = q.new_empty(q.shape[0], 0)
         return q, empty, empty.long()
-    keys, index = (q / noise.clamp(min=_TINY)).topk(k, -1)  # [R, k]
-    return q, keys, index
+    return q, *race_topk(q, noise, k)
+
+
+def race_topk(probs: Tensor, noise: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest exponential-race keys ``probs / noise`` of each row [..., k] (0: no
+    mass left for that draw) and their tokens [..., k]: ``k`` draws without replacement from
+    ``probs`` [..., V] (unnormalised is fine), given exponential ``noise`` of its shape."""
+    return (probs / noise.clamp(min=_TINY)).topk(k, -1)
 
 
 _TIES: dict[tuple[int, torch.device], Tensor] = {}

@@ -46,11 +46,10 @@ from engine.spec.device_tree import (
     accept_sampled,
     ancestor_mask,
     race_draw,
+    race_topk,
 )
 from engine.spec.drafter import TreeBudget
 from engine.spec.graphed_tree import DEFAULT_BUCKETS, GraphedTreeStep, _Buffers
-
-_TINY = torch.finfo(torch.float32).tiny  # keeps exponential-race keys finite
 
 
 class GraphedSampledTree(GraphedTreeStep):
@@ -146,8 +145,7 @@ class GraphedSampledTree(GraphedTreeStep):
             q, key, drawn = race_draw(logits.reshape(B * F, V), buf.temperature, F, w)
             return q.view(B, F, V), key.view(B, F, w), drawn.view(B, F, w)
         q = self._probs(buf, logits)
-        key, drawn = (q / torch.empty_like(q).exponential_().clamp_(min=_TINY)).topk(w, -1)
-        return q, key, drawn
+        return q, *race_topk(q, torch.empty_like(q).exponential_(), w)
 
     def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
         if m == 1:
