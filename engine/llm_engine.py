@@ -51,6 +51,7 @@ from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
+from engine.spec.device_tree import race_draw
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_catch_up import GraphedCatchUp
 from engine.spec.graphed_sampled import GraphedSampledTree
@@ -1237,18 +1238,29 @@ class LLMEngine:
         # The whole batch needs no row selection (an index copied to the device, a gather).
         index = None if everyone else to_device(int_tensor(sampled), logits.device)  # [S]
         rows = logits if index is None else logits.index_select(0, index)  # [S, V]
-        params = [seqs[i].sampling for i in sampled]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
-            st = SamplingTensors.from_params(params, logits.device)
-            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
-        else:  # plain temperature sampling: the same probabilities in two kernels
-            probs = temperature_probs(rows, [p.temperature for p in params])
-        drawn, ok = draw_rows(probs, [seqs[i].generator if p.seed is not None else None
-                                      for i, p in zip(sampled, params, strict=True)])  # fmt: skip
+        drawn, ok = self._draw_sampled(rows, [seqs[i] for i in sampled])  # [S] x2
         if index is None:
             return drawn, ok
         every_ok = torch.ones(len(seqs), dtype=torch.bool, device=logits.device).index_copy(0, index, ok)
         return logits.argmax(dim=-1).index_copy(0, index, drawn), every_ok
+
+    @staticmethod
+    def _draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of ``rows`` [S, V] (every sequence samples) [S] and whether its law
+        had mass [S] bool. Plain temperature from the device's default generator: one fused
+        kernel (``race_draw``: the law, and the race over the same noise ``draw_rows`` would
+        draw); top-k / top-p or seeded rows: the probabilities, then ``draw_rows``."""
+        params = [s.sampling for s in seqs]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
+            st = SamplingTensors.from_params(params, rows.device)
+            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
+        elif any(p.seed is not None for p in params):
+            probs = temperature_probs(rows, [p.temperature for p in params])
+        else:
+            temperature = to_device(torch.tensor([p.temperature for p in params]), rows.device)  # [S]
+            _, keys, tokens = race_draw(rows, temperature, 1, 1)  # [S, 1] x2
+            return tokens[:, 0], keys[:, 0] > 0
+        return draw_rows(probs, [s.generator if s.sampling.seed is not None else None for s in seqs])
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         params = seq.sampling

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, SpecConfig
@@ -31,3 +32,43 @@ def test_each_row_gets_its_own_rule(dense_model_dir: Path) -> None:
         assert eng._sample_rows(seqs, logits) == peaks, params
         for s in seqs:
             eng.abort_request(s.request_id)
+
+
+def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
+    dense_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unseeded rows without top-k / top-p take the fused draw (race_draw); seeded rows and
+    # top-k rows the probabilities and draw_rows. Over the same default-generator state, the
+    # fused draw picks the tokens draw_rows picks from the same law.
+    import engine.llm_engine as llm_engine
+    from engine.sampling import draw_rows, temperature_probs
+
+    fused_calls: list[int] = []
+    race_draw = llm_engine.race_draw
+    monkeypatch.setattr(llm_engine, "race_draw", lambda x, *a: fused_calls.append(x.shape[0]) or race_draw(x, *a))
+    eng = LLMEngine.from_pretrained(dense_model_dir, spec=SpecConfig(method="none"))
+    vocab = eng.model_config.vocab_size
+    temps = [0.5, 0.7, 1.0, 1.3, 2.0, 0.9]
+    logits = torch.randn(len(temps), vocab, generator=torch.Generator().manual_seed(0)) * 2.0  # [S, V]
+    seqs = _seqs(eng, [SamplingParams(max_tokens=4, temperature=t) for t in temps])
+    for seed in range(20):
+        torch.manual_seed(seed)
+        fused, ok = eng._draw_sampled(logits, seqs)
+        torch.manual_seed(seed)
+        want, want_ok = draw_rows(temperature_probs(logits, temps), [None] * len(temps))
+        assert fused.tolist() == want.tolist() and ok.all() and want_ok.all()
+    assert fused_calls == [len(temps)] * 20
+    for s in seqs:
+        eng.abort_request(s.request_id)
+    top_k = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, top_k=1)])
+    assert eng._draw_sampled(logits[:1], top_k)[0].tolist() == [int(logits[0].argmax())]
+    assert len(fused_calls) == 20  # top-k rows draw from the filtered law
+
+
+def test_a_sampled_row_with_no_mass_is_flagged(dense_model_dir: Path) -> None:
+    eng = LLMEngine.from_pretrained(dense_model_dir, spec=SpecConfig(method="none"))
+    vocab = eng.model_config.vocab_size
+    logits = torch.zeros(2, vocab)
+    logits[1] = float("nan")  # a broken row: no law to draw from
+    _, ok = eng._draw_sampled(logits, _seqs(eng, [SAMPLED, SAMPLED]))
+    assert ok.tolist() == [True, False]
