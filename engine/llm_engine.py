@@ -1247,20 +1247,26 @@ class LLMEngine:
     @staticmethod
     def _draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row of ``rows`` [S, V] (every sequence samples) [S] and whether its law
-        had mass [S] bool. Plain temperature from the device's default generator: one fused
-        kernel (``race_draw``: the law, and the race over the same noise ``draw_rows`` would
-        draw); top-k / top-p or seeded rows: the probabilities, then ``draw_rows``."""
+        had mass [S] bool. Rows drawing from the device's default generator: one fused kernel
+        on the GPU (``race_draw``: the law, top-k / top-p where a request uses them, and the race
+        over the same noise ``draw_rows`` would draw). Seeded rows: the law, then ``draw_rows``
+        with each request's generator."""
         params = [s.sampling for s in seqs]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
-            st = SamplingTensors.from_params(params, rows.device)
-            probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
-        elif any(p.seed is not None for p in params):
-            probs = temperature_probs(rows, [p.temperature for p in params])
+        filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)  # known here: no device read
+        if any(p.seed is not None for p in params):
+            if filtered:
+                st = SamplingTensors.from_params(params, rows.device)
+                probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
+            else:
+                probs = temperature_probs(rows, [p.temperature for p in params])
+            return draw_rows(probs, [s.generator if s.sampling.seed is not None else None for s in seqs])
+        if filtered:
+            st = SamplingTensors.from_params(params, rows.device)  # one copy
+            _, keys, tokens = race_draw(rows, st.temperature, 1, 1, None, st.top_k, st.top_p)  # [S, 1] x2
         else:
             temperature = to_device(torch.tensor([p.temperature for p in params]), rows.device)  # [S]
             _, keys, tokens = race_draw(rows, temperature, 1, 1)  # [S, 1] x2
-            return tokens[:, 0], keys[:, 0] > 0
-        return draw_rows(probs, [s.generator if s.sampling.seed is not None else None for s in seqs])
+        return tokens[:, 0], keys[:, 0] > 0
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         params = seq.sampling

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.kernels import run_kernel, triton_available
-from engine.sampling import temperature_softmax
+from engine.sampling import probs_from_logits, temperature_softmax
 from engine.simulator.tree_shape import TreeShape
 
 TIE_BREAK = 1e-9  # per candidate index, in float64: parents (earlier) win ties with children
@@ -62,35 +62,47 @@ def logprob_topk(
 
 
 def race_draw(
-    logits: Tensor, temperature: Tensor, rows_per_temp: int, k: int, fused: bool | None = None
+    logits: Tensor, temperature: Tensor, rows_per_temp: int, k: int, fused: bool | None = None,
+    top_k: Tensor | None = None, top_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """For logits [R, V] of rows sampling with neither top-k nor top-p: the law
-    ``softmax(logits / T)`` [R, V] float32 (row ``r`` at ``temperature[r // rows_per_temp]``)
-    and ``k`` draws from it without replacement by an exponential race: the ``k`` largest keys
-    ``q / E`` [R, k] (0: the law had no mass left for that draw) and their tokens [R, k] (the
-    order of the draws). ``k = 0``: the law only. The noise ``E`` is drawn here from the default
-    generator (graph-safe). One fused kernel on CUDA with Triton (``fused``: None for that, else
-    whether to); else torch ops (``race_draw_torch``)."""
+    """For logits [R, V] of sampled rows: the law ``softmax(logits / T)`` [R, V] float32 (row
+    ``r`` at ``temperature[r // rows_per_temp]``) and ``k`` draws from it without replacement
+    by an exponential race: the ``k`` largest keys ``q / E`` [R, k] (0: the law had no mass
+    left for that draw) and their tokens [R, k] (the order of the draws). ``k = 0``: the law
+    only. With ``top_k`` and ``top_p`` (per group, like ``temperature``; 0 and 1.0: off) the
+    law is ``probs_from_logits``'s, filtered by them. The noise ``E`` is drawn here from the
+    default generator (graph-safe). One fused kernel on CUDA with Triton (``fused``: None for
+    that, else whether to); else torch ops (``race_draw_torch``)."""
     R, V = logits.shape
     if temperature.shape[0] * rows_per_temp != R:
         raise ValueError(f"{R} rows do not make {temperature.shape[0]} groups of {rows_per_temp}")
+    if (top_k is None) != (top_p is None):
+        raise ValueError("race_draw filters with both top_k and top_p or with neither")
     noise = torch.empty(R, V, device=logits.device).exponential_() if k > 0 else None  # [R, V]
     if (logits.is_cuda and triton_available()) if fused is None else fused:
-        from engine.kernels.race_draw import MAX_VOCAB, race_draw_triton
+        from engine.kernels.race_draw import MAX_FILTER_VOCAB, MAX_VOCAB, race_draw_triton
 
-        if V <= MAX_VOCAB:
-            result = run_kernel("race_draw", lambda: race_draw_triton(logits, temperature, rows_per_temp, noise, k))
+        if V <= (MAX_VOCAB if top_k is None else MAX_FILTER_VOCAB):
+            result = run_kernel("race_draw", lambda: race_draw_triton(
+                logits, temperature, rows_per_temp, noise, k, top_k, top_p))  # fmt: skip
             if result is not None:
                 return result
-    return race_draw_torch(logits, temperature, rows_per_temp, noise, k)
+    return race_draw_torch(logits, temperature, rows_per_temp, noise, k, top_k, top_p)
 
 
 def race_draw_torch(
-    logits: Tensor, temperature: Tensor, rows_per_temp: int, noise: Tensor | None, k: int
+    logits: Tensor, temperature: Tensor, rows_per_temp: int, noise: Tensor | None, k: int,
+    top_k: Tensor | None = None, top_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``race_draw`` as torch ops, on given noise [R, V] (None with ``k = 0``)."""
-    temp = temperature.to(torch.float32)[:, None].expand(-1, rows_per_temp).reshape(-1)  # [R]
-    q = temperature_softmax(logits, temp)  # [R, V]
+    def per_row(t: Tensor) -> Tensor:  # [G] -> [R]
+        return t[:, None].expand(-1, rows_per_temp).reshape(-1)
+
+    temp = per_row(temperature.to(torch.float32))
+    if top_k is None or top_p is None:
+        q = temperature_softmax(logits, temp)  # [R, V]
+    else:
+        q = probs_from_logits(logits, temp, per_row(top_k), per_row(top_p), filters=True)  # [R, V]
     if k == 0 or noise is None:
         empty = q.new_empty(q.shape[0], 0)
         return q, empty, empty.long()

@@ -37,7 +37,6 @@ from engine.kv.block_pool import BlockPool
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.draft_layer import DraftLayer
 from engine.params import SamplingParams
-from engine.sampling import probs_from_logits
 from engine.sequence import Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.device_tree import (
@@ -46,7 +45,6 @@ from engine.spec.device_tree import (
     accept_sampled,
     ancestor_mask,
     race_draw,
-    race_topk,
 )
 from engine.spec.drafter import TreeBudget
 from engine.spec.graphed_tree import DEFAULT_BUCKETS, GraphedTreeStep, _Buffers
@@ -117,7 +115,7 @@ class GraphedSampledTree(GraphedTreeStep):
         n = len(seqs)
         params = [s.sampling for s in seqs]
         copy_to_device(buf.temperature[:n], torch.tensor([p.temperature for p in params]))
-        copy_to_device(buf.top_k[:n], torch.tensor([p.top_k for p in params]))
+        copy_to_device(buf.top_k[:n], torch.tensor([p.top_k for p in params], dtype=torch.int32))
         copy_to_device(buf.top_p[:n], torch.tensor([p.top_p for p in params]))
         self.variant = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 
@@ -127,25 +125,23 @@ class GraphedSampledTree(GraphedTreeStep):
         logits was one more kernel per depth), else ``model.logits``."""
         return self.model.lm_head(hidden) if hidden.is_cuda else self.model.logits(hidden)
 
+    def _filters(self, buf: _Buffers) -> tuple[Tensor | None, Tensor | None]:
+        """The batch's top-k and top-p per sequence, where some request uses them."""
+        return (buf.top_k, buf.top_p) if self.variant else (None, None)
+
     def _probs(self, buf: _Buffers, logits: Tensor) -> Tensor:  # [B, R, V] -> [B, R, V] float32
         B, R, V = logits.shape
-        if not self.variant:  # temperature only: one fused kernel on the GPU
-            return race_draw(logits.reshape(B * R, V), buf.temperature, R, 0)[0].view(B, R, V)
-        per_row = [t[:, None].expand(B, R).reshape(-1) for t in (buf.temperature, buf.top_k, buf.top_p)]
-        probs = probs_from_logits(logits.reshape(B * R, V), *per_row, filters=True)
-        return probs.view(B, R, V)
+        return race_draw(logits.reshape(B * R, V), buf.temperature, R, 0, None, *self._filters(buf))[0].view(B, R, V)
 
     def _draw(self, buf: _Buffers, logits: Tensor, w: int) -> tuple[Tensor, Tensor, Tensor]:
         """Each row's draft law q [B, F, V] and ``w`` children drawn from it without
         replacement by an exponential race: their keys [B, F, w] (0: no mass left) and tokens
-        [B, F, w], in draw order. Temperature only: one fused kernel on the GPU (``race_draw``;
-        as torch ops it was ~30 kernels a depth, the radix top-k most of them)."""
+        [B, F, w], in draw order. One fused kernel on the GPU (``race_draw``; as torch ops it
+        was ~30 kernels a depth with temperature alone, the radix top-k most of them, and a
+        sort more with top-k or top-p)."""
         B, F, V = logits.shape
-        if not self.variant:
-            q, key, drawn = race_draw(logits.reshape(B * F, V), buf.temperature, F, w)
-            return q.view(B, F, V), key.view(B, F, w), drawn.view(B, F, w)
-        q = self._probs(buf, logits)
-        return q, *race_topk(q, torch.empty_like(q).exponential_(), w)
+        q, key, drawn = race_draw(logits.reshape(B * F, V), buf.temperature, F, w, None, *self._filters(buf))
+        return q.view(B, F, V), key.view(B, F, w), drawn.view(B, F, w)
 
     def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
         if m == 1:

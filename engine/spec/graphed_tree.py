@@ -279,7 +279,7 @@ class _Buffers:
         self.carry = torch.zeros(bucket, max(g.k - 1, 0), H, dtype=g.dtype, device=dev)
         # Sampling parameters per sequence (sampled trees only; padding rows sample at T = 1).
         self.temperature = torch.ones(bucket, dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.top_k = torch.zeros(bucket, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(bucket, dtype=torch.float32, device=dev)
         # Outputs.
         P = D + 1

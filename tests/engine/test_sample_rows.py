@@ -37,9 +37,9 @@ def test_each_row_gets_its_own_rule(dense_model_dir: Path) -> None:
 def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     dense_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Unseeded rows without top-k / top-p take the fused draw (race_draw); seeded rows and
-    # top-k rows the probabilities and draw_rows. Over the same default-generator state, the
-    # fused draw picks the tokens draw_rows picks from the same law.
+    # Unseeded rows take the fused draw (race_draw); seeded rows the law and draw_rows. Over
+    # the same default-generator state, the fused draw picks the tokens draw_rows picks from
+    # the same law.
     import engine.llm_engine as llm_engine
     from engine.sampling import draw_rows, temperature_probs
 
@@ -62,7 +62,12 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
         eng.abort_request(s.request_id)
     top_k = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, top_k=1)])
     assert eng._draw_sampled(logits[:1], top_k)[0].tolist() == [int(logits[0].argmax())]
-    assert len(fused_calls) == 20  # top-k rows draw from the filtered law
+    assert len(fused_calls) == 21  # top-k and top-p rows too, from the filtered law
+    for s in top_k:
+        eng.abort_request(s.request_id)
+    seeded = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, seed=3)])
+    assert eng._draw_sampled(logits[:1], seeded)[1].tolist() == [True]
+    assert len(fused_calls) == 21  # a seeded row draws with its own generator (draw_rows)
 
 
 def test_a_sampled_row_with_no_mass_is_flagged(dense_model_dir: Path) -> None:

@@ -78,24 +78,39 @@ def check_logprob_topk(device: str) -> tuple[float, float]:
 def check_race_draw(device: str) -> tuple[float, float]:
     """Largest difference of the fused law + exponential race from ``race_draw_torch`` on the
     same noise (laws and keys, relative to the row's largest), 1.0 if a drawn token with mass
-    differs; vocabularies below and at a power of two, 16-bit logits, laws with tokens of no
-    mass (a cold temperature), one group of rows per temperature and several."""
+    differs or, with top-k / top-p, if the kept tokens differ; vocabularies below and at a power
+    of two, 16-bit logits, laws with tokens of no mass (a cold temperature), one group of rows
+    per temperature and several; top-k / top-p on and off per group, ties among the logits."""
     from engine.kernels.race_draw import race_draw_triton
     from engine.spec.device_tree import race_draw_torch
 
     gen = torch.Generator().manual_seed(12)
     err = 0.0
-    for rows, per, vocab, k, scale, dtype in [(6, 3, 1000, 3, 3.0, torch.float32), (4, 1, 8192, 1, 3.0, torch.float32),
-                                              (8, 2, 8192, 4, 2.0, torch.bfloat16), (3, 3, 50, 0, 1.0, torch.float32),
-                                              (4, 4, 64, 4, 400.0, torch.float32), (2, 1, 4, 4, 1.0, torch.float16)]:  # fmt: skip
-        logits = (scale * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
+    for rows, per, vocab, k, scale, dtype, filters in [
+        (6, 3, 1000, 3, 3.0, torch.float32, None), (4, 1, 8192, 1, 3.0, torch.float32, None),
+        (8, 2, 8192, 4, 2.0, torch.bfloat16, None), (3, 3, 50, 0, 1.0, torch.float32, None),
+        (4, 4, 64, 4, 400.0, torch.float32, None), (2, 1, 4, 4, 1.0, torch.float16, None),
+        # top-k / top-p per group: off, each alone, both, k past the vocabulary, a nucleus of one
+        (12, 2, 300, 3, 3.0, torch.float32, ([0, 5, 0, 40, 2000, 0], [1.0, 1.0, 0.9, 0.5, 0.95, 1e-6])),
+        (6, 1, 64, 2, 1.0, torch.float32, ([3, 0, 10, 0, 64, 7], [1.0, 0.6, 0.7, 0.99, 0.5, 0.2])),
+    ] + ([  # the gpu preset's vocabulary (the interpreter takes ~15 s a row to sort it)
+        (8, 2, 8192, 4, 2.0, torch.bfloat16, ([0, 50, 0, 1], [0.8, 1.0, 0.3, 1.0])),
+    ] if device != "cpu" else []):  # fmt: skip
+        logits = (scale * torch.randn(rows, vocab, generator=gen)).to(dtype)
+        if filters is not None and vocab <= 64:
+            logits = (logits * 2).round() / 2  # many ties: the order among them is the ids'
+        logits = logits.to(device)
         temperature = (0.3 + torch.rand(rows // per, generator=gen)).to(device)
+        top = (None, None) if filters is None else (
+            torch.tensor(filters[0], device=device), torch.tensor(filters[1], device=device))  # fmt: skip
         noise = torch.empty(rows, vocab).exponential_(generator=gen).to(device) if k else None
-        want_q, want_k, want_i = race_draw_torch(logits, temperature, per, noise, k)
-        got_q, got_k, got_i = race_draw_triton(logits, temperature, per, noise, k)
+        want_q, want_k, want_i = race_draw_torch(logits, temperature, per, noise, k, *top)
+        got_q, got_k, got_i = race_draw_triton(logits, temperature, per, noise, k, *top)
         if got_q.shape != want_q.shape or got_k.shape != (rows, k) or got_i.shape != (rows, k):
             return 1.0, 1e-5
         if not torch.equal(got_i[want_k > 0], want_i[want_k > 0]) or bool((got_k[want_k == 0] != 0).any()):
+            return 1.0, 1e-5
+        if filters is not None and not torch.equal(got_q > 0, want_q > 0):
             return 1.0, 1e-5
         err = max(err, ((got_q - want_q).abs().amax(-1) / want_q.amax(-1)).max().item())
         if k:

@@ -108,3 +108,31 @@ def test_race_draw_first_draw_follows_the_law() -> None:
     q, _, tokens = race_draw(logits, torch.ones(1), 20000, 1)
     counts = torch.bincount(tokens[:, 0], minlength=4).double() / 20000
     assert torch.allclose(counts, q[0].double(), atol=0.015)
+
+
+def test_race_draw_with_top_k_and_top_p_draws_from_the_filtered_law() -> None:
+    from engine.sampling import probs_from_logits
+
+    gen = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(4, 50, generator=gen)
+    temperature, top_k, top_p = torch.tensor([0.7, 1.3]), torch.tensor([5, 0]), torch.tensor([1.0, 0.6])
+    torch.manual_seed(0)
+    q, keys, tokens = race_draw(logits, temperature, 2, 3, None, top_k, top_p)  # rows 0-1: top-5; 2-3: top-p
+    want = probs_from_logits(logits, temperature.repeat_interleave(2), top_k.repeat_interleave(2),
+                             top_p.repeat_interleave(2), filters=True)  # fmt: skip
+    assert torch.allclose(q, want) and bool(((q > 0).sum(-1)[:2] == 5).all())
+    drawn = keys > 0  # draws with mass are kept tokens, distinct within a row
+    assert bool((q.gather(1, tokens)[drawn] > 0).all())
+    assert all(len(set(row[ok].tolist())) == int(ok.sum()) for row, ok in zip(tokens, drawn, strict=True))
+    with pytest.raises(ValueError, match="both top_k and top_p or with neither"):
+        race_draw(logits, temperature, 2, 1, None, top_k, None)
+
+
+def test_race_draw_with_a_nucleus_draws_its_law() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 1.0]]).expand(20000, 5)
+    torch.manual_seed(2)
+    q, _, tokens = race_draw(logits, torch.ones(1), 20000, 1, None, torch.tensor([0]), torch.tensor([0.6]))
+    # masses 0.52, 0.19, 0.07, 0.03, 0.19: the top token and one of the tied pair, the lower id
+    assert torch.equal(q[0] > 0, torch.tensor([True, True, False, False, False]))
+    counts = torch.bincount(tokens[:, 0], minlength=5).double() / 20000
+    assert torch.allclose(counts, q[0].double(), atol=0.015)
