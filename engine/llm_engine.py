@@ -51,7 +51,7 @@ from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
-from engine.spec.device_tree import race_draw
+from engine.spec.device_tree import race_draw, warm_race_draw
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_catch_up import GraphedCatchUp
 from engine.spec.graphed_sampled import GraphedSampledTree
@@ -183,6 +183,11 @@ class LLMEngine:
             use_static = device.type == "cuda"
         # Adaptive speculation's chain arm, ``CHAIN_DEPTH`` deep (engine/spec/defaults.py).
         self._chain_budget = resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size)
+        if device.type == "cuda":
+            with timer.stage("sampling_kernels"):  # the fused draws' programs, compiled now
+                warm_race_draw(device, cfg.vocab_size, torch.float32)  # the autoregressive rows' logits
+                if drafts:
+                    warm_race_draw(device, cfg.vocab_size, dtype)  # the drafting heads' logits
         if use_static:
             max_blocks = -(-(self.max_model_len + scratch) // engine_config.block_size)
             with timer.stage("target_graphs"):  # decode and prefill shapes

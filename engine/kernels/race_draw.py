@@ -60,10 +60,13 @@ def _filter_keep(x, offs, V, top_k, top_p):
     return (x > last) | (tied & (tie_rank < count - above))
 
 
-@triton.jit
+# One compiled program per (FILTER, logits dtype, vocabulary) whatever the draws and the group
+# size: each new specialisation compiles while a request waits (the sorting one ~5-10 s), so the
+# engine compiles the few it uses at start-up (``warm_race_draw``).
+@triton.jit(do_not_specialize=["rows_per_temp", "K"])
 def _race_draw_kernel(x_ptr, temp_ptr, topk_ptr, topp_ptr, noise_ptr, q_ptr, key_ptr, idx_ptr, V,
-                      rows_per_temp, stride_x, stride_noise, stride_q, stride_out,
-                      K: tl.constexpr, FILTER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                      rows_per_temp, stride_x, stride_noise, stride_q, stride_out, K,
+                      FILTER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < V
@@ -79,7 +82,7 @@ def _race_draw_kernel(x_ptr, temp_ptr, topk_ptr, topp_ptr, noise_ptr, q_ptr, key
     if K > 0:
         noise = tl.load(noise_ptr + r * stride_noise + offs, mask=inside, other=1.0)
         key = tl.where(inside, q / tl.maximum(noise, _TINY), -1.0)
-        for j in tl.static_range(K):
+        for j in range(K):
             best = tl.max(key, axis=0)
             pick = tl.min(tl.where(key == best, offs, BLOCK), axis=0)  # the lowest id among ties
             tl.store(key_ptr + r * stride_out + j, best)
@@ -117,6 +120,6 @@ def race_draw_triton(
         top_k = top_p = temperature  # not read
     block = triton.next_power_of_2(V)
     _race_draw_kernel[(R,)](logits, temperature, top_k, top_p, noise, q, keys, index, V, rows_per_temp,
-                            logits.stride(0), noise.stride(0), q.stride(0), keys.stride(0),
-                            K=k, FILTER=filtered, BLOCK=block, num_warps=8 if block >= 4096 else 4)  # fmt: skip
+                            logits.stride(0), noise.stride(0), q.stride(0), keys.stride(0), k,
+                            FILTER=filtered, BLOCK=block, num_warps=8 if block >= 4096 else 4)  # fmt: skip
     return q, keys[:, :k], index[:, :k]

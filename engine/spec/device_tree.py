@@ -90,6 +90,19 @@ def race_draw(
     return race_draw_torch(logits, temperature, rows_per_temp, noise, k, top_k, top_p)
 
 
+def warm_race_draw(device: torch.device, vocab: int, dtype: torch.dtype) -> None:
+    """Compile ``race_draw``'s fused programs for logits of ``dtype`` over ``vocab`` tokens,
+    with and without top-k / top-p, before a request needs them: Triton compiles a program
+    on its first launch, and the sorting one took seconds (a request's first token would wait
+    for it). Nothing to do off CUDA or without Triton."""
+    if device.type != "cuda" or not triton_available():
+        return
+    logits = torch.zeros(1, vocab, dtype=dtype, device=device)  # [1, V]
+    one = torch.ones(1, device=device)
+    race_draw(logits, one, 1, 1)
+    race_draw(logits, one, 1, 1, None, torch.zeros(1, dtype=torch.int32, device=device), one)
+
+
 def race_draw_torch(
     logits: Tensor, temperature: Tensor, rows_per_temp: int, noise: Tensor | None, k: int,
     top_k: Tensor | None = None, top_p: Tensor | None = None,

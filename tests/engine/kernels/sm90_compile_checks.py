@@ -67,16 +67,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
                                           BLOCK_D=1024, INTERLEAVE=True), 4, 1),
     "scaled_silu_mul_gpu": ("scaled_silu", dict(BLOCK=1024, BLOCK_D=1024), 4, 1),
     # The sampled drafting depth's law and exponential race at the gpu preset's vocabulary
-    # (8192: a row in registers at 8 warps), one draw (the chain) and four (the tree's depth 1),
-    # and the verify step's law alone.
-    "race_draw_v8192_k1": ("race_draw", dict(K=1, FILTER=False, BLOCK=8192), 8, 1),
-    "race_draw_v8192_k4": ("race_draw", dict(K=4, FILTER=False, BLOCK=8192), 8, 1),
-    "race_draw_v8192_law": ("race_draw", dict(K=0, FILTER=False, BLOCK=8192), 8, 1),
-    # The same with top-k / top-p (the row sorted in registers): the autoregressive step's one
-    # draw, the tree's four, the verify step's law.
-    "race_draw_v8192_filter_k1": ("race_draw", dict(K=1, FILTER=True, BLOCK=8192), 8, 1),
-    "race_draw_v8192_filter_k4": ("race_draw", dict(K=4, FILTER=True, BLOCK=8192), 8, 1),
-    "race_draw_v8192_filter_law": ("race_draw", dict(K=0, FILTER=True, BLOCK=8192), 8, 1),
+    # (8192: a row in registers at 8 warps; the draws a runtime count, one program for the
+    # chain's one, the tree's four and the verify law's none), and with top-k / top-p (the
+    # row sorted in registers, 32 keys a thread: no spill with the draws a runtime count; with
+    # them a constexpr it spilled 12-56 bytes, sorting packed int64 keys 176-204).
+    "race_draw_v8192": ("race_draw", dict(FILTER=False, BLOCK=8192), 8, 1),
+    "race_draw_v8192_filter": ("race_draw", dict(FILTER=True, BLOCK=8192), 8, 1),
     # Sampled acceptance (its passes under branches on the walk's state): a chain of 6 and the
     # default sampled tree's widest level.
     "accept_sampled_chain6": ("accept_sampled", dict(DEPTH=6, WIDTH=1, BLOCK_V=1024), 4, 1),
@@ -85,18 +81,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int, int]] = {
 NO_SPILL = ["attention_default_h128", "attention_split4_qctx", "compaction", "tree_rank_84",
             "tree_tables_32", "tree_grow_k4", "tree_mtp_rows", "mtp_input_h768", "silu_mul_1024", "add_rms_norm_h768",
             "step_start", "step_verify_inputs", "step_zero_rows", "step_advance", "step_write_outputs",
-            "rope_latent_gpu", "draft_rope_gpu", "scaled_silu_mul_gpu", "race_draw_v8192_k1",
-            "race_draw_v8192_k4", "race_draw_v8192_law", "accept_sampled_chain6", "accept_sampled_tree"]
+            "rope_latent_gpu", "draft_rope_gpu", "scaled_silu_mul_gpu", "race_draw_v8192",
+            "race_draw_v8192_filter", "accept_sampled_chain6", "accept_sampled_tree"]
 # Variants allowed a few spilled bytes: the R=256 default tile spills 584 bytes at 4 warps with
 # rows packed token x 12 heads (its float32 accumulator and bfloat16 queries take 192 of 255
 # registers) and 340 with each token's heads padded to 16 rows (the small grids' layout); it was
 # still the fastest measured on the H200 (``default_tile``, against 8 warps and wider tiles).
-# The top-k / top-p law sorts its row of 8192 keys in registers (``tl.sort``, 32 a thread at 8
-# warps): 12-56 spilled bytes with Triton 3.8 (sorting packed int64 keys instead spilled 176-204;
-# 16 warps, capped at 128 registers, 24-44).
-SPILL_LIMIT = {"attention_r256_default": 704, "attention_r256_padded_split": 448,
-               "race_draw_v8192_filter_k1": 128, "race_draw_v8192_filter_k4": 128,
-               "race_draw_v8192_filter_law": 128}
+SPILL_LIMIT = {"attention_r256_default": 704, "attention_r256_padded_split": 448}
 # Argument types of the tree kernels (the others' follow from their names, ``_arg_type``).
 TREE_TYPES = {"score_ptr": "*fp32", "tie_ptr": "*fp64", "front_score_ptr": "*fp32", "logp_ptr": "*fp32",
               "new_score_ptr": "*fp32", "hidden_ptr": "*bf16", "new_hidden_ptr": "*bf16", "mask_ptr": "*i1",
@@ -107,7 +98,8 @@ STEP_TYPES = {"tables_ptr": "*i32", "kv_ptr": "*bf16", "live_ptr": "*i1", "next_
               "ctx_ptr": "*i32", "prev0_ptr": "*bf16", "prev1_ptr": "*bf16", "prev2_ptr": "*bf16",
               "emb_ptr": "*bf16", "ew_ptr": "*bf16", "hw_ptr": "*bf16", "out_ptr": "*bf16",
               "eps_e": "fp32", "eps_h": "fp32"}
-RACE_TYPES = {"x_ptr": "*bf16", "temp_ptr": "*fp32", "topk_ptr": "*i32", "topp_ptr": "*fp32", "noise_ptr": "*fp32", "q_ptr": "*fp32",
+RACE_TYPES = {"x_ptr": "*bf16", "temp_ptr": "*fp32", "topk_ptr": "*i32", "topp_ptr": "*fp32", "noise_ptr": "*fp32",
+              "V": "i32", "rows_per_temp": "i32", "K": "i32", "q_ptr": "*fp32",
               "key_ptr": "*fp32", "idx_ptr": "*i64"}
 ACCEPT_TYPES = {"tok_ptr": "*i64", "valid_ptr": "*u8", "child_ptr": "*i64", "qrow_ptr": "*i64",
                 "num_ptr": "*i64", "path_ptr": "*i64", "bonus_ptr": "*i64"}
