@@ -83,7 +83,9 @@ def race_draw(
         from engine.kernels.race_draw import MAX_FILTER_VOCAB, MAX_VOCAB, race_draw_triton
 
         if V <= (MAX_VOCAB if top_k is None else MAX_FILTER_VOCAB):
-            result = run_kernel("race_draw", lambda: race_draw_triton(
+            # Named apart: a filtered program that fails to build leaves the plain one in use.
+            name = "race_draw" if top_k is None else "race_draw_filtered"
+            result = run_kernel(name, lambda: race_draw_triton(
                 logits, temperature, rows_per_temp, noise, k, top_k, top_p))  # fmt: skip
             if result is not None:
                 return result
