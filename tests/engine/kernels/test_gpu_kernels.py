@@ -169,6 +169,34 @@ def test_fused_race_draw_equals_the_torch_ops_on_gpu() -> None:
     assert err <= tol, err
 
 
+def test_race_draw_programs_compiled_at_warm_up_serve_any_draws_and_group_size_on_gpu() -> None:
+    """After ``warm_race_draw`` no draw compiles another program: not the tree's four draws,
+    not the verify law's none, not a batch's rows per temperature, with or without top-k /
+    top-p (a compile would make a request wait seconds)."""
+    from engine.kernels.race_draw import _race_draw_kernel
+    from engine.spec.device_tree import race_draw, warm_race_draw
+
+    dev = torch.device("cuda")
+    warm_race_draw(dev, 8192, torch.bfloat16)
+    caches = getattr(_race_draw_kernel, "device_caches", {})
+    if not caches or not all(isinstance(c[0], dict) for c in caches.values()):
+        pytest.skip("this Triton keeps no per-device program cache to count")
+
+    def compiled() -> int:
+        return sum(len(c[0]) for c in caches.values())
+
+    before = compiled()
+    logits = torch.randn(12, 8192, device=dev, dtype=torch.bfloat16)  # [12, V]
+    for k, per in ((0, 3), (1, 12), (4, 4), (2, 6), (3, 1)):
+        groups = 12 // per
+        temperature = torch.full((groups,), 0.8, device=dev)
+        race_draw(logits, temperature, per, k)
+        race_draw(logits, temperature, per, k, None, torch.full((groups,), 5, dtype=torch.int32, device=dev),
+                  torch.full((groups,), 0.9, device=dev))  # fmt: skip
+    torch.cuda.synchronize()
+    assert compiled() == before
+
+
 def test_fused_tree_commit_is_bit_exact_on_gpu() -> None:
     from tests.engine.kernels.commit_cases import check_tree_commit
 
