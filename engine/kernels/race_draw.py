@@ -60,9 +60,10 @@ def _filter_keep(x, offs, V, top_k, top_p):
     return (x > last) | (tied & (tie_rank < count - above))
 
 
-# One compiled program per (FILTER, logits dtype, vocabulary) whatever the draws (their count and
-# the outputs' row stride) and the group size: each new specialisation compiles while a request waits (the sorting one ~5-10 s), so the
-# engine compiles the few it uses at start-up (``warm_race_draw``).
+# One compiled program per (FILTER, logits dtype, vocabulary), whatever the draws (their count,
+# the outputs' row stride) and the group size: a new specialisation compiles while a request
+# waits (the sorting one for seconds), so the engine compiles the few it uses at start-up
+# (``engine.spec.device_tree.warm_race_draw``).
 @triton.jit(do_not_specialize=["rows_per_temp", "stride_out", "K"])
 def _race_draw_kernel(x_ptr, temp_ptr, topk_ptr, topp_ptr, noise_ptr, q_ptr, key_ptr, idx_ptr, V,
                       rows_per_temp, stride_x, stride_noise, stride_q, stride_out, K,
