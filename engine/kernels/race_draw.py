@@ -116,7 +116,9 @@ def race_draw_triton(
     filtered = top_k is not None and top_p is not None
     if filtered:
         assert V <= MAX_FILTER_VOCAB, f"top-k / top-p rows need V <= {MAX_FILTER_VOCAB}, got {V}"
-        top_k, top_p = top_k.to(dtype=torch.int32), top_p.to(dtype=torch.float32)  # type: ignore[union-attr]
+        if top_k.dtype != torch.int32:  # type: ignore[union-attr]
+            top_k = top_k.clamp(max=V).to(dtype=torch.int32)  # type: ignore[union-attr]  # k >= V: every token
+        top_p = top_p.to(dtype=torch.float32)  # type: ignore[union-attr]
     else:
         top_k = top_p = temperature  # not read
     block = triton.next_power_of_2(V)

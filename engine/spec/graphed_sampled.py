@@ -115,7 +115,8 @@ class GraphedSampledTree(GraphedTreeStep):
         n = len(seqs)
         params = [s.sampling for s in seqs]
         copy_to_device(buf.temperature[:n], torch.tensor([p.temperature for p in params]))
-        copy_to_device(buf.top_k[:n], torch.tensor([p.top_k for p in params], dtype=torch.int32))
+        vocab = self.model.config.vocab_size  # a larger top-k keeps every token, as the vocabulary does
+        copy_to_device(buf.top_k[:n], torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int32))
         copy_to_device(buf.top_p[:n], torch.tensor([p.top_p for p in params]))
         self.variant = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 

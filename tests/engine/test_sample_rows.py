@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams, SpecConfig
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=4, temperature=0.7)
@@ -77,3 +77,12 @@ def test_a_sampled_row_with_no_mass_is_flagged(dense_model_dir: Path) -> None:
     logits[1] = float("nan")  # a broken row: no law to draw from
     _, ok = eng._draw_sampled(logits, _seqs(eng, [SAMPLED, SAMPLED]))
     assert ok.tolist() == [True, False]
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(small_vocab_dir: Path) -> None:
+    # The API allows any top_k up to 2**31 - 1 and the engine any integer: the device step's
+    # int32 buffers take it clamped to the vocabulary (an unclamped 2**40 had overflowed them).
+    huge = SamplingParams(max_tokens=6, temperature=0.8, top_k=2**40, ignore_eos=True)
+    for spec in (SpecConfig(method="none"), SpecConfig(method="tree", topk=2, depth=2, num_draft_tokens=3)):
+        eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=EngineConfig(cuda_graphs=True))
+        assert len(eng.generate([[1, 2, 3]] * 3, huge)[0].token_ids) == 6

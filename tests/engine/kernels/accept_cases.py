@@ -91,7 +91,7 @@ def check_race_draw(device: str) -> tuple[float, float]:
         (8, 2, 8192, 4, 2.0, torch.bfloat16, None), (3, 3, 50, 0, 1.0, torch.float32, None),
         (4, 4, 64, 4, 400.0, torch.float32, None), (2, 1, 4, 4, 1.0, torch.float16, None),
         # top-k / top-p per group: off, each alone, both, k past the vocabulary, a nucleus of one
-        (12, 2, 300, 3, 3.0, torch.float32, ([0, 5, 0, 40, 2000, 0], [1.0, 1.0, 0.9, 0.5, 0.95, 1e-6])),
+        (12, 2, 300, 3, 3.0, torch.float32, ([0, 5, 0, 40, 2**32 + 5, 0], [1.0, 1.0, 0.9, 0.5, 0.95, 1e-6])),
         (6, 1, 64, 2, 1.0, torch.float32, ([3, 0, 10, 0, 64, 7], [1.0, 0.6, 0.7, 0.99, 0.5, 0.2])),
     ] + ([  # the gpu preset's vocabulary (the interpreter takes ~15 s a row to sort it)
         (8, 2, 8192, 4, 2.0, torch.bfloat16, ([0, 50, 0, 1], [0.8, 1.0, 0.3, 1.0])),
