@@ -9,13 +9,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 SpecMethod = Literal["none", "chain", "tree", "adaptive"]
+MIN_TEMPERATURE = 1e-5  # below it a request decodes greedily (``SamplingParams``)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (OpenAI semantics).
 
-    temperature 0 means greedy. ``top_p`` 1.0 and ``top_k`` 0 are off. Presence and frequency
+    temperature 0 means greedy, and so does any temperature below ``MIN_TEMPERATURE`` (the
+    law's limit, as in vLLM: logits divided by 1e-40 overflow float32 and leave no law to draw
+    from, which had failed the engine step and every request in it). ``top_p`` 1.0 and
+    ``top_k`` 0 are off. Presence and frequency
     penalties apply to tokens generated so far (as vLLM and OpenAI do). ``seed=None`` gives the
     sequence its own fresh randomness; an int makes the request reproducible.
     """
@@ -35,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (0.0 <= float(self.temperature) <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if float(self.temperature) < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -86,3 +86,18 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(small_vocab_dir: Path) ->
     for spec in (SpecConfig(method="none"), SpecConfig(method="tree", topk=2, depth=2, num_draft_tokens=3)):
         eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=EngineConfig(cuda_graphs=True))
         assert len(eng.generate([[1, 2, 3]] * 3, huge)[0].token_ids) == 6
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(small_vocab_dir: Path) -> None:
+    # Logits divided by 1e-40 overflow float32: no law was left to draw from, the engine step
+    # raised, and the server failed every request of that step. Below MIN_TEMPERATURE a
+    # request decodes greedily, the law's limit; at it, it still samples.
+    from engine.params import MIN_TEMPERATURE
+
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tiny = SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True)
+    for spec in (SpecConfig(method="none"), SpecConfig(method="tree", topk=2, depth=2, num_draft_tokens=3)):
+        eng = LLMEngine.from_pretrained(small_vocab_dir, spec=spec, engine_config=EngineConfig(cuda_graphs=True))
+        want = [o.token_ids for o in eng.generate([[1, 2, 3], [4, 5]], greedy)]
+        assert [o.token_ids for o in eng.generate([[1, 2, 3], [4, 5]], tiny)] == want
