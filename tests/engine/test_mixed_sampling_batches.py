@@ -1,0 +1,58 @@
+"""Random mixed batches of valid sampling parameters never make a step raise, and leave nothing.
+
+The server fails every request of a step that raises (``engine.serving.engine_loop``), so one
+request's parameters must never make a step raise: here each speculation method, host-driven and
+with the static (CUDA-graph) code run eagerly, decodes random batches mixing greedy and sampled
+rows, temperatures at the edges (1e-40, which overflowed the logits, below ``MIN_TEMPERATURE``, at it, 100), top-k and top-p from
+off to a single token and past the vocabulary, penalties, seeds, stop tokens and lengths. Every
+request must finish within its ``max_tokens``, and the KV blocks must all come back.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+
+VOCAB = 6  # small_vocab_dir's
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=rng.choice([1, 2, 5, 17]),
+        temperature=rng.choice([0.0, 1e-40, 1e-6, 1e-5, 0.3, 1.0, 2.0, 100.0]),
+        top_p=rng.choice([1e-9, 0.3, 0.9, 1.0, 1.0]),
+        top_k=rng.choice([0, 0, 1, 3, VOCAB, VOCAB + 1, 2**40]),
+        presence_penalty=rng.choice([0.0, 0.0, -2.0, 2.0]),
+        frequency_penalty=rng.choice([0.0, 0.0, 1.5]),
+        seed=rng.choice([None, None, 0, 12345]),
+        stop_token_ids=tuple(rng.sample(range(VOCAB), rng.choice([0, 0, 2]))),
+        ignore_eos=rng.choice([True, False]),
+    )
+
+
+@pytest.mark.parametrize("method", ["none", "chain", "tree", "adaptive"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["host", "static"])
+def test_random_mixed_batches_finish_and_free_their_blocks(small_vocab_dir: Path, method: str, graphs: bool) -> None:
+    rng = random.Random(f"{method}-{graphs}")
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method=method),  # type: ignore[arg-type]
+                                    engine_config=EngineConfig(cuda_graphs=graphs, max_batch_size=8))  # fmt: skip
+    idle_blocks = eng.kv_blocks_used
+    for batch in range(12):
+        wanted = {}
+        for i in range(rng.randint(1, 8)):
+            params = _random_params(rng)
+            rid = f"b{batch}-{i}"
+            eng.add_request(rid, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))], params)
+            wanted[rid] = params.max_tokens
+        finished = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert set(finished) == set(wanted)
+        assert all(len(out.token_ids) <= wanted[rid] for rid, out in finished.items())
+        assert eng.kv_blocks_used == idle_blocks
