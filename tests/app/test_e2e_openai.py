@@ -128,6 +128,21 @@ def test_openai_chat_stream_equals_non_stream_with_usage(server: Server) -> None
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_edge_sampling_parameters_are_served_not_failed(server: Server) -> None:
+    # A temperature of 1e-40 is valid (the schema allows [0, 2]) but overflows the logits when
+    # divided by: it had failed the engine step and every request in it (a 500). It decodes
+    # greedily now; a top-k at the schema's limit and a nucleus of one token are served too.
+    client = server.client()
+    kw = dict(model=server.model, prompt="Hello there, how are", max_tokens=12)
+    greedy = client.completions.create(**kw, temperature=0)  # type: ignore[call-overload]
+    tiny = client.completions.create(**kw, temperature=1e-40)  # type: ignore[call-overload]
+    assert tiny.choices[0].text == greedy.choices[0].text
+    edges = client.completions.create(  # type: ignore[call-overload]
+        **kw, temperature=0.7, top_p=1e-9, extra_body={"top_k": 2**31 - 1}
+    )
+    assert edges.choices[0].text == greedy.choices[0].text  # one token kept: the argmax
+
+
 def test_wrong_key_and_validation_through_openai_client(server: Server) -> None:
     with pytest.raises(openai.AuthenticationError):
         server.client("sk-wrong").models.list()
