@@ -41,7 +41,6 @@ from engine.sampling import (
     make_generator,
     probs_from_logits,
     sample_from_probs,
-    temperature_probs,
     token_counts,
 )
 from engine.scheduler import Scheduler
@@ -1252,26 +1251,22 @@ class LLMEngine:
     @staticmethod
     def _draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row of ``rows`` [S, V] (every sequence samples) [S] and whether its law
-        had mass [S] bool. Rows drawing from the device's default generator: one fused kernel
-        on the GPU (``race_draw``: the law, top-k / top-p where a request uses them, and the race
-        over the same noise ``draw_rows`` would draw). Seeded rows: the law, then ``draw_rows``
-        with each request's generator."""
+        had mass [S] bool. The law (top-k / top-p where a request uses them) and, from the
+        device's default generator, the race over the noise ``draw_rows`` would draw, in one
+        fused kernel on the GPU (``race_draw``); a batch with seeded rows takes the law alone and
+        ``draw_rows`` with each seeded request's generator."""
         params = [s.sampling for s in seqs]
-        filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)  # known here: no device read
-        if any(p.seed is not None for p in params):
-            if filtered:
-                st = SamplingTensors.from_params(params, rows.device)
-                probs = probs_from_logits(rows, st.temperature, st.top_k, st.top_p, filters=True)
-            else:
-                probs = temperature_probs(rows, [p.temperature for p in params])
-            return draw_rows(probs, [s.generator if s.sampling.seed is not None else None for s in seqs])
-        if filtered:
+        filters: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
             st = SamplingTensors.from_params(params, rows.device)  # one copy
-            _, keys, tokens = race_draw(rows, st.temperature, 1, 1, None, st.top_k, st.top_p)  # [S, 1] x2
-        else:
+            temperature, filters = st.temperature, (st.top_k, st.top_p)
+        else:  # one copy of the temperatures alone (a host-bound step's fewest kernels)
             temperature = to_device(torch.tensor([p.temperature for p in params]), rows.device)  # [S]
-            _, keys, tokens = race_draw(rows, temperature, 1, 1)  # [S, 1] x2
-        return tokens[:, 0], keys[:, 0] > 0
+        if all(p.seed is None for p in params):
+            _, keys, tokens = race_draw(rows, temperature, 1, 1, None, *filters)  # [S, 1] x2
+            return tokens[:, 0], keys[:, 0] > 0
+        law = race_draw(rows, temperature, 1, 0, None, *filters)[0]  # [S, V]
+        return draw_rows(law, [s.generator if s.sampling.seed is not None else None for s in seqs])
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         params = seq.sampling

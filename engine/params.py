@@ -19,9 +19,9 @@ class SamplingParams:
     temperature 0 means greedy, and so does any temperature below ``MIN_TEMPERATURE`` (the
     law's limit, as in vLLM: logits divided by 1e-40 overflow float32 and leave no law to draw
     from, which had failed the engine step and every request in it). ``top_p`` 1.0 and
-    ``top_k`` 0 are off. Presence and frequency
-    penalties apply to tokens generated so far (as vLLM and OpenAI do). ``seed=None`` gives the
-    sequence its own fresh randomness; an int makes the request reproducible.
+    ``top_k`` 0 are off. Presence and frequency penalties apply to tokens generated so far (as
+    vLLM and OpenAI do). ``seed=None`` gives the sequence its own fresh randomness; an int makes
+    the request reproducible.
     """
 
     max_tokens: int = 16

@@ -156,18 +156,10 @@ def probs_from_logits(
     return probs
 
 
-def temperature_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:  # [N, V] float32
-    """``probs_from_logits(..., filters=False)`` from host temperatures (all > 0): no top-k /
-    top-p tensors to build and copy, one unsynchronised copy (a sampled decode step of the H200's
-    small model is host-bound: the general call had cost ~15 more kernels than greedy)."""
-    if any(not t > 0.0 for t in temperatures):
-        raise ValueError("temperature_probs needs temperatures > 0 (greedy rows take the argmax)")
-    return temperature_softmax(logits, to_device(torch.tensor(temperatures, dtype=torch.float32), logits.device))
-
-
 def temperature_softmax(logits: Tensor, temperature: Tensor) -> Tensor:  # [N, V] -> [N, V] float32
-    """softmax(logits / T) per row (``temperature`` [N] on the device): what every stage of ``probs_from_logits`` leaves of a row
-    that samples (T > 0) with neither top-k nor top-p, in the same operations."""
+    """softmax(logits / T) per row (``temperature`` [N] on the device): what every stage of
+    ``probs_from_logits`` leaves of a row that samples (T > 0) with neither top-k nor top-p, in
+    the same operations."""
     return (logits.float() / temperature[:, None]).softmax(dim=-1)
 
 

@@ -41,11 +41,12 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     # the same default-generator state, the fused draw picks the tokens draw_rows picks from
     # the same law.
     import engine.llm_engine as llm_engine
-    from engine.sampling import draw_rows, temperature_probs
+    from engine.sampling import draw_rows, temperature_softmax
 
-    fused_calls: list[int] = []
+    fused_calls: list[tuple[int, int]] = []  # (rows, draws) of each race_draw call
     race_draw = llm_engine.race_draw
-    monkeypatch.setattr(llm_engine, "race_draw", lambda x, *a: fused_calls.append(x.shape[0]) or race_draw(x, *a))
+    monkeypatch.setattr(llm_engine, "race_draw",
+                        lambda x, t, per, k, *a: fused_calls.append((x.shape[0], k)) or race_draw(x, t, per, k, *a))
     eng = LLMEngine.from_pretrained(dense_model_dir, spec=SpecConfig(method="none"))
     vocab = eng.model_config.vocab_size
     temps = [0.5, 0.7, 1.0, 1.3, 2.0, 0.9]
@@ -55,19 +56,26 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
         torch.manual_seed(seed)
         fused, ok = eng._draw_sampled(logits, seqs)
         torch.manual_seed(seed)
-        want, want_ok = draw_rows(temperature_probs(logits, temps), [None] * len(temps))
+        want, want_ok = draw_rows(temperature_softmax(logits, torch.tensor(temps)), [None] * len(temps))
         assert fused.tolist() == want.tolist() and ok.all() and want_ok.all()
-    assert fused_calls == [len(temps)] * 20
+    assert fused_calls == [(len(temps), 1)] * 20
     for s in seqs:
         eng.abort_request(s.request_id)
     top_k = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, top_k=1)])
     assert eng._draw_sampled(logits[:1], top_k)[0].tolist() == [int(logits[0].argmax())]
-    assert len(fused_calls) == 21  # top-k and top-p rows too, from the filtered law
+    assert fused_calls[20:] == [(1, 1)]  # top-k and top-p rows too, from the filtered law
     for s in top_k:
         eng.abort_request(s.request_id)
     seeded = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, seed=3)])
-    assert eng._draw_sampled(logits[:1], seeded)[1].tolist() == [True]
-    assert len(fused_calls) == 21  # a seeded row draws with its own generator (draw_rows)
+    drawn = []
+    for seed in (0, 1):  # whatever the default generator's state: the request's own draws
+        torch.manual_seed(seed)
+        token, ok = eng._draw_sampled(logits[:1], seeded)
+        assert ok.tolist() == [True]
+        drawn.append(token.tolist())
+        seeded[0].generator.manual_seed(3)  # as the request started
+    assert drawn[0] == drawn[1]
+    assert fused_calls[21:] == [(1, 0), (1, 0)]  # the law alone; draw_rows draws the token
 
 
 def test_a_sampled_row_with_no_mass_is_flagged(dense_model_dir: Path) -> None:
