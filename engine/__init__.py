@@ -6,6 +6,7 @@ No FastAPI here; the HTTP layer lives in ``app/``.
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, SpecStats, ZeroEvent
 from engine.params import EngineConfig, SamplingParams, SpecConfig
+from engine.step_failure import StepFailed
 
 __all__ = [
     "EngineConfig",
@@ -14,5 +15,6 @@ __all__ = [
     "SamplingParams",
     "SpecConfig",
     "SpecStats",
+    "StepFailed",
     "ZeroEvent",
 ]

@@ -107,6 +107,11 @@ class _Static:
     def batch(self) -> AttentionBatch:
         return AttentionBatch(self.positions, self.slots, self.tables, self.ctx, self.starts, self.mask)
 
+    def forget_loads(self) -> None:
+        """Trust nothing an earlier load left (a load cut short by a failed step)."""
+        self._table_lists, self._table_widths = [], []
+        self.padded_from = self.bucket
+
     def load(self, ids: torch.Tensor, batch: AttentionBatch, num_seqs: int) -> None:
         n, t = ids.shape[0], self.tokens
         width = batch.block_tables.shape[1]
@@ -278,6 +283,13 @@ class StaticTargetForward:
 
     def _bucket(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def reset(self) -> None:
+        """Back to rest after a failed engine step: no block table is taken as already loaded,
+        every unused row is padded again at its next load, the scratch blocks are zeroed."""
+        for st in self._static.values():
+            st.forget_loads()
+        self._zero_scratch()
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -59,6 +59,7 @@ from engine.spec.hidden_log import HiddenLog
 from engine.spec.tree import DraftTree
 from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
 from engine.startup_timer import StartupTimer
+from engine.step_failure import StepFailed
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
@@ -258,6 +259,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._sessions: dict[str, Sequence] = {}
         self._stepping = False  # inside ``step``: released blocks wait for its end
+        self._ended_in_step: list[Sequence] = []  # requests that ended in this step (``step``)
         self._released: list[int] = []  # KV blocks of requests finished in this step
         self._zero_events: deque[ZeroEvent] = deque(maxlen=MAX_ZERO_EVENTS)
         self._arrivals = itertools.count()
@@ -561,8 +563,11 @@ class LLMEngine:
         # together when it ends (``_release``): one copy of their ids and one fill, where one
         # per request had cost a device synchronisation each.
         self._stepping = True
+        self._ended_in_step.clear()
         try:
             return self._step()
+        except Exception as exc:
+            raise StepFailed(self._recover_from_failed_step(), exc) from exc
         finally:
             self._stepping = False
             self._free_released()
@@ -655,6 +660,50 @@ class LLMEngine:
                 )
             self._tick_yield_clock(budget, sampled)
         return outputs
+
+    def _recover_from_failed_step(self) -> frozenset[str]:
+        """``_step`` raised: take the sequences of its batch out of the engine and put the
+        device-step state back to rest (``engine.step_failure``); returns their request ids.
+
+        The batch is every running sequence (those admitted by the failed step included) and
+        those that ended in it, whose outputs were never returned. A session's turn is rolled
+        back to the session as it stood before the turn, and its KV cache is recomputed from
+        its tokens at its next turn: entries the step wrote, committed or not, are not trusted.
+        Open sessions whose MTP rows the hidden log holds are recomputed too (the log is
+        cleared: its rows of the failed step's sequences may be partial). Requests waiting for
+        a batch slot are untouched."""
+        batch = [*self.scheduler.running, *self._ended_in_step]
+        failed = frozenset(seq.request_id for seq in batch)
+        recompute = [seq for seq in self._sessions.values() if self._hidden_log.holds(seq)]
+        self._hidden_log.clear()
+        for seq in batch:
+            self.scheduler.remove(seq)
+            self._requests.pop(seq.request_id, None)
+            seq.finish_reason = "error"
+            if self._keeps_blocks(seq):
+                del seq.tokens[seq.output_start - seq.num_prompt_tokens :]  # the turn never happened
+                seq.output_start = len(seq.tokens)
+                seq.num_prompt_tokens = 0
+                seq.status = SeqStatus.IDLE
+                recompute.append(seq)
+            elif seq.status is not SeqStatus.FINISHED:
+                seq.status = SeqStatus.FINISHED
+                self._release(seq, seq.request_id)
+        for seq in dict.fromkeys(recompute):  # once each, in order
+            self._release(seq, seq.request_id or None)
+            seq.forget_computation()
+        self._ahead = None
+        for runner in self._graphed_runners:
+            runner.reset()
+        if self.static_forward is not None:
+            self.static_forward.reset()
+        if self.drafter is not None and self.drafter.static_catch_up is not None:
+            self.drafter.static_catch_up.reset()
+        self._last_runner = self._last_drafting = None
+        self._fill_asked, self._fill_catch_up = False, None
+        self._summary = self._ar_latch = None
+        self._step_caught_up, self._catch_up_s = False, None
+        return failed
 
     def _batch_closed(self) -> bool:
         """Whether the running batch is closed: nothing waits, and the caller says no more will
@@ -1380,6 +1429,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self._requests.pop(seq.request_id, None)
+        if self._stepping:
+            self._ended_in_step.append(seq)
         if self._keeps_blocks(seq):
             seq.status = SeqStatus.IDLE
             self._trim_session_blocks(seq)

@@ -68,13 +68,24 @@ class Sequence:
     deferred: tuple[DeferredHidden, int] | None = None
 
     def __post_init__(self) -> None:
+        self._fresh_mtp_state()
+
+    def _fresh_mtp_state(self) -> None:
         k = self.num_mtp_modules
         self.mtp_committed = [0] * k
         self.pending_hidden = [None] * k
         self.pending_start = [0] * k
+        self.deferred = None
         # Row groups [n, H] appended since the last read.
         self._hidden_tail: list[list[torch.Tensor]] = [[] for _ in range(k)]
         self._tail_end = [0] * k  # hidden index after the tail's last row (while it has rows)
+
+    def forget_computation(self) -> None:
+        """Nothing computed any more: no target KV entry, no MTP state; every token is read
+        again from the start (the caller releases the KV blocks). For a session whose state a
+        failed engine step may have left half-written (``LLMEngine.step``)."""
+        self.num_committed = 0
+        self._fresh_mtp_state()
 
     # ---- views ----
     @property

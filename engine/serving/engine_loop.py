@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from engine.serving.request_stream import (
     RequestStream,
     StepOutput,
 )
+from engine.step_failure import StepFailed
 
 log = logging.getLogger("mtpserve.engine_loop")
 T = TypeVar("T")
@@ -297,9 +298,15 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             outputs = self._engine.step()
+        except StepFailed as exc:
+            # The engine took the step's batch out and is ready for the next one: only those
+            # requests fail; the others, waiting in it or in this loop's queue, carry on.
+            log.error("%s", exc, exc_info=exc.__cause__)
+            self._fail(exc.request_ids, RequestFailed("the engine failed while generating"))
+            return
         except Exception:
-            log.exception("engine step failed; failing the running requests")
-            self._fail_all(RequestFailed("the engine failed while generating"))
+            log.exception("engine step failed; failing every request in the engine")
+            self._fail(list(self._streams), RequestFailed("the engine failed while generating"))
             return
         self._observer.on_step(outputs, time.perf_counter() - started, self._engine.last_decode_budget)
         for out in outputs:
@@ -352,15 +359,19 @@ class EngineLoop:
         for request_id in list(self._streams):
             self._abort(request_id)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id, stream in list(self._streams.items()):
+    def _fail(self, request_ids: Iterable[str], error: BaseException) -> None:
+        """Fail these admitted requests: out of the engine (their KV freed and zeroed), the error
+        to their streams."""
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                continue
             try:
                 self._engine.abort_request(request_id)
             except Exception:
                 log.exception("abort_request failed")
             stream.deliver(error)
             self._count(active=-1)
-        self._streams.clear()
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -374,5 +385,5 @@ class EngineLoop:
             self._count(queued=-1, active=-1)
         self._queued.clear()
         if self._engine is not None:
-            self._fail_all(closed)
+            self._fail(list(self._streams), closed)
             self._flush_zero_events()

@@ -239,6 +239,11 @@ class GraphedCatchUp:
     def _zero_scratch(self, layers: slice = slice(None)) -> None:
         self.pool.kv_cache[layers].index_fill_(1, self._scratch_index, 0)
 
+    def reset(self) -> None:
+        """Back to rest after a failed engine step: every run loads all its inputs anyway, so
+        only the scratch blocks its padding rows write are zeroed."""
+        self._zero_scratch()
+
     # ------------------------------------------------------------------ runs
     def _tables(self, seqs: list[Sequence], slots: int) -> Tensor:
         """Block tables of ``seqs``, then of the padding's dummy sequences up to ``slots``:

@@ -577,6 +577,15 @@ class GraphedTreeStep:
         buf = self._buffers[self._bucket(len(seqs))]
         self._ahead = self._replay(buf, seqs, self._load_inputs(buf, seqs))
 
+    def reset(self) -> None:
+        """Back to rest after a failed engine step: no step launched ahead, no last batch whose
+        device inputs a next step would take as its own, every bucket padded, the scratch zeroed."""
+        self._ahead, self._last_buf, self._handoff = None, None, None
+        for buf in self._buffers.values():
+            buf.steady = None
+            buf.set_padding(0, self)
+        self._zero_scratch()
+
     def discard_ahead(self) -> None:
         """Forget the step launched ahead, none of whose sequences decodes any more (their blocks
         are released; the step's writes to them are zeroed after it in stream order)."""
