@@ -91,6 +91,14 @@ class Metrics:
         self.zeroed_bytes = Counter(
             p + "kv_zeroed_bytes", "KV cache bytes zeroed before reuse.", registry=r
         )
+        self.step_failures = Counter(
+            p + "engine_step_failures", "Engine steps that raised (engine/step_failure.py).", registry=r
+        )
+        self.step_failure_requests = Counter(
+            p + "engine_step_failure_requests",
+            "Requests of a failed engine step, by outcome: resumed, or lost (failed).",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.running = Gauge(p + "requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests waiting to run.", registry=r)
         self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use.", registry=r)
@@ -139,6 +147,12 @@ class MetricsObserver:
         m.waiting.set(stats.waiting)
         m.kv_used.set(stats.kv_blocks_used)
         m.kv_total.set(stats.kv_blocks_total)
+
+    def on_step_failed(self, resumed: int, lost: int) -> None:
+        m = self.metrics
+        m.step_failures.inc()
+        m.step_failure_requests.labels(outcome="resumed").inc(resumed)
+        m.step_failure_requests.labels(outcome="lost").inc(lost)
 
     def on_zero_events(self, events: Sequence[Any]) -> None:
         total = sum(int(getattr(ev, "bytes", 0)) for ev in events)

@@ -260,6 +260,8 @@ class LLMEngine:
         self._sessions: dict[str, Sequence] = {}
         self._stepping = False  # inside ``step``: released blocks wait for its end
         self._ended_in_step: list[Sequence] = []  # requests that ended in this step (``step``)
+        self._alone_in_step: Sequence | None = None  # the suspect this step ran alone, if any
+        self._parked: dict[str, Sequence] = {}  # a failed step's batch, until resumed or aborted
         self._released: list[int] = []  # KV blocks of requests finished in this step
         self._zero_events: deque[ZeroEvent] = deque(maxlen=MAX_ZERO_EVENTS)
         self._arrivals = itertools.count()
@@ -345,7 +347,7 @@ class LLMEngine:
         session_id: str | None = None,
         owner: str = "",
     ) -> None:
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._parked:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be a SamplingParams")
@@ -401,6 +403,10 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            self._drop_parked(parked)
+            return
         seq = self._requests.get(request_id)
         if seq is None:
             return
@@ -433,6 +439,7 @@ class LLMEngine:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.WAITING):
             self.scheduler.remove(seq)
             self._requests.pop(seq.request_id, None)
+            self._parked.pop(seq.request_id, None)
         return self._release(seq, seq.request_id or None)
 
     def session_num_tokens(self, session_id: str) -> int:
@@ -541,7 +548,13 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         with self.closed_batch():
             while len(final) < len(ids):
-                for out in self.step():
+                try:
+                    outputs = self.step()
+                except StepFailed as exc:  # the whole call fails: nothing stays parked
+                    for rid in exc.request_ids:
+                        self.abort_request(rid)
+                    raise
+                for out in outputs:
                     if out.finished:
                         final[out.request_id] = out
         return [final[rid] for rid in ids]
@@ -564,8 +577,13 @@ class LLMEngine:
         # per request had cost a device synchronisation each.
         self._stepping = True
         self._ended_in_step.clear()
+        self._alone_in_step = None
         try:
-            return self._step()
+            outputs = self._step()
+            alone = self.scheduler.alone
+            if alone is not None and alone.stats.num_steps:  # a suspect decoded alone: cleared
+                alone.suspect, self.scheduler.alone = False, None
+            return outputs
         except Exception as exc:
             raise StepFailed(self._recover_from_failed_step(), exc) from exc
         finally:
@@ -583,6 +601,7 @@ class LLMEngine:
                 return read
         step_start = time.perf_counter()
         plan = self.scheduler.schedule()
+        self._alone_in_step = self.scheduler.alone
         outputs: list[RequestOutput] = []
         if plan.prefill:
             # A session's next turn continues its MTP rows: hand out the log first if it holds
@@ -662,34 +681,29 @@ class LLMEngine:
         return outputs
 
     def _recover_from_failed_step(self) -> frozenset[str]:
-        """``_step`` raised: take the sequences of its batch out of the engine and put the
-        device-step state back to rest (``engine.step_failure``); returns their request ids.
+        """``_step`` raised: park the sequences of its batch and put the device-step state back
+        to rest (``engine.step_failure``); returns their request ids.
 
-        The batch is every running sequence (those admitted by the failed step included) and
-        those that ended in it, whose outputs were never returned. A session's turn is rolled
-        back to the session as it stood before the turn, and its KV cache is recomputed from
-        its tokens at its next turn: entries the step wrote, committed or not, are not trusted.
-        Open sessions whose MTP rows the hidden log holds are recomputed too (the log is
-        cleared: its rows of the failed step's sequences may be partial). Requests waiting for
-        a batch slot are untouched."""
-        batch = [*self.scheduler.running, *self._ended_in_step]
-        failed = frozenset(seq.request_id for seq in batch)
-        recompute = [seq for seq in self._sessions.values() if self._hidden_log.holds(seq)]
-        self._hidden_log.clear()
+        The batch is every running sequence (those admitted by the failed step included; only
+        the suspect where one ran alone) and those that ended in it, whose outputs were never
+        returned. Each is taken out of the
+        scheduler, its KV blocks zeroed and freed and its computation forgotten (entries the
+        step wrote, committed or not, are not trusted), and parked until the caller resumes it
+        (``resume_request``) or gives it up (``abort_request``). The hidden log hands the other
+        sequences their rows; requests waiting for a batch slot are untouched."""
+        alone = self._alone_in_step  # a suspect's step: the other running sequences paused
+        running = self.scheduler.running if alone is None else [alone]
+        batch = [*dict.fromkeys([*running, *self._ended_in_step])]
         for seq in batch:
             self.scheduler.remove(seq)
             self._requests.pop(seq.request_id, None)
-            seq.finish_reason = "error"
-            if self._keeps_blocks(seq):
-                del seq.tokens[seq.output_start - seq.num_prompt_tokens :]  # the turn never happened
-                seq.output_start = len(seq.tokens)
-                seq.num_prompt_tokens = 0
-                seq.status = SeqStatus.IDLE
-                recompute.append(seq)
-            elif seq.status is not SeqStatus.FINISHED:
-                seq.status = SeqStatus.FINISHED
-                self._release(seq, seq.request_id)
-        for seq in dict.fromkeys(recompute):  # once each, in order
+            seq.status = SeqStatus.FINISHED  # the hidden log's flush passes over it
+        # The other sequences' logged rows (an idle session's, a running one's that a suspect's
+        # step paused) go to their MTP queues: their steps before this one are intact.
+        self._hidden_log.flush()
+        for seq in batch:
+            seq.status = SeqStatus.WAITING  # parked: neither scheduled nor idle
+            self._parked[seq.request_id] = seq
             self._release(seq, seq.request_id or None)
             seq.forget_computation()
         self._ahead = None
@@ -703,7 +717,46 @@ class LLMEngine:
         self._fill_asked, self._fill_catch_up = False, None
         self._summary = self._ar_latch = None
         self._step_caught_up, self._catch_up_s = False, None
-        return failed
+        return frozenset(seq.request_id for seq in batch)
+
+    def resume_request(self, request_id: str, num_delivered: int) -> bool:
+        """Resume a request a failed step parked (``StepFailed.request_ids``) from the first
+        ``num_delivered`` tokens it generated (what its caller has handed on; the rest is
+        generated again): queued ahead of every waiting request, it is recomputed and then runs
+        alone until it has decoded one step, so a request that fails every step it is in fails
+        alone. False, and nothing done, if it was resumed once already (give it up with
+        ``abort_request``). A greedy request continues exactly as if no step had failed; a
+        seeded one draws from its seed afresh."""
+        seq = self._parked.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} is not parked by a failed step")
+        if not 0 <= num_delivered <= len(seq.tokens) - seq.output_start:
+            raise ValueError(f"num_delivered {num_delivered} is outside the {len(seq.tokens) - seq.output_start} "
+                             f"tokens request {request_id!r} generated")  # fmt: skip
+        if seq.retried:
+            return False
+        del self._parked[request_id]
+        del seq.tokens[seq.output_start + num_delivered :]
+        seq.retried = seq.suspect = True
+        seq.finish_reason = None
+        seq.stats = type(seq.stats)()
+        seq.generator = make_generator(seq.sampling.seed, self.device)
+        seq.yield_clock = None
+        self._requests[request_id] = seq
+        self.scheduler.add_first(seq)
+        return True
+
+    def _drop_parked(self, seq: Sequence) -> None:
+        """Give up a parked request: a session's turn is rolled back (the session as it stood
+        before the turn; its cache is recomputed at its next turn), anything else is finished."""
+        seq.finish_reason = "error"
+        if self._keeps_blocks(seq):
+            del seq.tokens[seq.output_start - seq.num_prompt_tokens :]
+            seq.output_start = len(seq.tokens)
+            seq.num_prompt_tokens = 0
+            seq.status = SeqStatus.IDLE
+        else:
+            seq.status = SeqStatus.FINISHED
 
     def _batch_closed(self) -> bool:
         """Whether the running batch is closed: nothing waits, and the caller says no more will
@@ -721,9 +774,10 @@ class LLMEngine:
     def _may_launch_ahead(self, decode: list[Sequence]) -> bool:
         """Whether a decode step over ``decode`` (no prefill with it) may launch the next step
         before its host work: steps overlap, no request waits or is in its prefill (the next
-        step would not be this batch's again), and no sequence keeps its blocks (a session's:
+        step would not be this batch's again), no suspect runs alone (``resume_request``: its
+        steps take no other sequence), and no sequence keeps its blocks (a session's:
         what the launched step wrote past a stop would stay in them)."""
-        return (self.overlap_steps and not self.scheduler.num_waiting
+        return (self.overlap_steps and not self.scheduler.num_waiting and self.scheduler.alone is None
                 and len(decode) == self.scheduler.num_running
                 and all(s.session_id is None for s in decode))  # fmt: skip
 

@@ -37,6 +37,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.version = 0  # changes whenever a sequence joins or leaves ``running``
+        # A suspect (``Sequence.suspect``) running alone: its steps schedule nothing else, and
+        # nothing is admitted meanwhile.
+        self.alone: Sequence | None = None
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens reserves, one step's draft scratch included."""
@@ -50,7 +53,14 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
+    def add_first(self, seq: Sequence) -> None:
+        """Queue ``seq`` ahead of every waiting request (a request resumed after a failed step)."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
     def remove(self, seq: Sequence) -> None:
+        if seq is self.alone:
+            self.alone = None
         if seq in self.running:
             self.running.remove(seq)
             self.version += 1
@@ -58,7 +68,7 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch_size:
+        while self.waiting and len(self.running) < self.max_batch_size and self.alone is None:
             seq = self.waiting[0]
             extra = self.blocks_needed(seq) - len(seq.block_ids)
             if extra > self.pool.num_free:
@@ -70,12 +80,16 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.version += 1
+            if seq.suspect:
+                self.alone = seq
 
     def schedule(self) -> StepPlan:
+        """This step's work: prompt chunks up to the prefill budget, and every other running
+        sequence's decode; only the suspect's while one runs alone (the others pause)."""
         self._admit()
         plan = StepPlan()
         budget = self.prefill_chunk_tokens
-        for seq in self.running:
+        for seq in self.running if self.alone is None else [self.alone]:
             if seq.in_prefill:
                 if budget <= 0:
                     continue

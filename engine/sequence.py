@@ -66,6 +66,10 @@ class Sequence:
     yield_clock: tuple[int, float, int] | None = None
     # (source, index): ``pending_hidden`` is ``source.hidden_of(index)``, not yet handed out.
     deferred: tuple[DeferredHidden, int] | None = None
+    # A failed engine step's batch (``engine.step_failure``): resumed once (``retried``), and
+    # until it has decoded a step alone, a ``suspect`` that runs with no other sequence.
+    retried: bool = False
+    suspect: bool = False
 
     def __post_init__(self) -> None:
         self._fresh_mtp_state()

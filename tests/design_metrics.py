@@ -31,5 +31,6 @@ COUNTERS_AND_GAUGES = frozenset(
 )
 DESIGN_METRICS = HISTOGRAMS | COUNTERS_AND_GAUGES
 # Exported beyond DESIGN.md's list ("more may be added").
-EXTRA_METRICS = frozenset({"mtpserve_decode_steps_total"})
+EXTRA_METRICS = frozenset({"mtpserve_decode_steps_total", "mtpserve_engine_step_failures_total",
+                           "mtpserve_engine_step_failure_requests_total"})
 EXPORTED_METRICS = DESIGN_METRICS | EXTRA_METRICS

@@ -299,13 +299,24 @@ class EngineLoop:
         try:
             outputs = self._engine.step()
         except StepFailed as exc:
-            # The engine took the step's batch out and is ready for the next one: only those
-            # requests fail; the others, waiting in it or in this loop's queue, carry on.
+            # The engine parked the step's batch and is ready for the next step. Each request of
+            # it resumes from what its client has received (once; then it runs alone until it
+            # has decoded a step), or fails if it had been resumed before; the others, waiting
+            # in the engine or in this loop's queue, carry on.
             log.error("%s", exc, exc_info=exc.__cause__)
-            self._fail(exc.request_ids, RequestFailed("the engine failed while generating"))
+            lost = []
+            for request_id in exc.request_ids:
+                stream = self._streams.get(request_id)
+                if stream is None or not self._engine.resume_request(request_id, stream.num_delivered):
+                    lost.append(request_id)
+            if lost:
+                log.error("requests failed after a failed step: %s", ", ".join(sorted(lost)))
+                self._fail(lost, RequestFailed("the engine failed while generating"))
+            self._observer.on_step_failed(len(exc.request_ids) - len(lost), len(lost))
             return
         except Exception:
             log.exception("engine step failed; failing every request in the engine")
+            self._observer.on_step_failed(0, len(self._streams))
             self._fail(list(self._streams), RequestFailed("the engine failed while generating"))
             return
         self._observer.on_step(outputs, time.perf_counter() - started, self._engine.last_decode_budget)
@@ -313,6 +324,7 @@ class EngineLoop:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            stream.num_delivered = out.num_generated
             stream.deliver(StepOutput.from_engine(out))
             if out.finished:
                 del self._streams[out.request_id]
@@ -363,15 +375,14 @@ class EngineLoop:
         """Fail these admitted requests: out of the engine (their KV freed and zeroed), the error
         to their streams."""
         for request_id in request_ids:
-            stream = self._streams.pop(request_id, None)
-            if stream is None:
-                continue
             try:
                 self._engine.abort_request(request_id)
             except Exception:
                 log.exception("abort_request failed")
-            stream.deliver(error)
-            self._count(active=-1)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.deliver(error)
+                self._count(active=-1)
 
     def _shutdown(self) -> None:
         with self._lock:

@@ -40,6 +40,10 @@ class LoopObserver(Protocol):
     def on_zero_events(self, events: Sequence[Any]) -> None:
         """KV blocks were zeroed and returned to the pool (``engine.drain_zero_events()``)."""
 
+    def on_step_failed(self, resumed: int, lost: int) -> None:
+        """An engine step raised: of its batch, ``resumed`` requests were resumed and ``lost``
+        failed (``engine.step_failure``)."""
+
 
 class NullObserver:
     """Observes nothing."""
@@ -56,4 +60,7 @@ class NullObserver:
         return None
 
     def on_zero_events(self, events: Sequence[Any]) -> None:
+        return None
+
+    def on_step_failed(self, resumed: int, lost: int) -> None:
         return None

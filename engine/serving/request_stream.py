@@ -82,6 +82,7 @@ class RequestStream:
         # Retrieve the exception even if nobody awaits it (a client that left while queued).
         self.admitted.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.finished = False
+        self.num_delivered = 0  # engine thread only: tokens generated in the outputs delivered
 
     # engine thread ------------------------------------------------------------
     def set_admitted(self, error: BaseException | None) -> None:

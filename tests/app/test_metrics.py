@@ -47,3 +47,22 @@ async def test_metrics_text_parses_and_counts() -> None:
         assert samples[("mtpserve_decode_steps_total", (("budget", "chain-2"),))] > 0
         assert "hello" not in resp.text  # no prompt text anywhere
         assert acceptance.status_code == 200 and acceptance.json()["per_depth"] == [0.5, 0.25]
+
+
+async def test_a_failed_engine_step_is_counted() -> None:
+    async with running_app() as h:
+        h.engine.step_delay_s = 0.01
+        h.engine.fail_next_step = True  # a plain exception: every request in the engine is lost
+        assert (await h.complete(prompt="x", max_tokens=8)).status_code == 500
+        metrics_app = build_metrics_app(h.service)
+        transport = httpx.ASGITransport(app=metrics_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://m") as client:
+            text = (await client.get("/metrics")).text
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        assert samples[("mtpserve_engine_step_failures_total", ())] == 1
+        assert samples[("mtpserve_engine_step_failure_requests_total", (("outcome", "lost"),))] == 1
+        assert samples[("mtpserve_engine_step_failure_requests_total", (("outcome", "resumed"),))] == 0

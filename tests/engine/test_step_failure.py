@@ -1,13 +1,14 @@
-"""A step that raises loses its own batch only, and leaves the engine as if the batch had never run.
+"""A step that raises costs its batch a pause, not its answers; a request that always fails fails alone.
 
 Failures are injected at three points of a step: before its decode (after its prefill, whose
 first tokens are already appended), in the middle of its commits (some sequences have their
 tokens, the others not), and right after a request ended in it (its output never returned).
 Every speculation method runs, host-driven and through the static (CUDA-graph) code run
-eagerly, steps launched ahead included. After the failure the requests that waited for a batch
-slot, and later ones, must produce exactly what a fresh engine produces; every KV block must
-come back zeroed; a session's failed turn must be rolled back, its next turn answered as if the
-failed one never happened.
+eagerly, steps launched ahead included. The failed step's requests are parked; resumed from what
+their client received, every request must stream exactly the greedy tokens a fresh engine
+produces; given up, they are gone and the others are untouched. Every freed KV block must be
+zero, a session's given-up turn must be rolled back, and a request that fails every step it is
+in must be the only one lost.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.sequence import SeqStatus
 from engine.serving import EngineLoop, RequestFailed
+from engine.serving.observer import NullObserver
 from engine.step_failure import StepFailed
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
 PROMPTS = {f"r{i}": [(3 * i + j) % 6 for j in range(5 + 2 * i)] for i in range(5)}
 LATE = [5, 4, 3, 2, 1]
+Reference = dict[tuple[int, ...], list[int]]
 
 
 class Injected(RuntimeError):
@@ -40,8 +43,19 @@ def _engine(folder: Path, method: str, graphs: bool) -> LLMEngine:
     return LLMEngine.from_pretrained(folder, spec=SpecConfig(method=method), engine_config=config)  # type: ignore[arg-type]
 
 
-def _inject(eng: LLMEngine, where: str) -> None:
-    """Make the engine's next step raise at ``where`` (once)."""
+def _inject(eng: LLMEngine, where: str, culprit: str | None = None) -> None:
+    """Make the engine's next step raise at ``where`` (once); with ``culprit``, every step in
+    which that request gets tokens raises."""
+    if culprit is not None:
+        real_append: Callable[..., None] = eng._append_tokens
+
+        def always(seq: Any, *args: Any, **kwargs: Any) -> None:
+            if seq.request_id == culprit:
+                raise Injected(culprit)
+            real_append(seq, *args, **kwargs)
+
+        eng._append_tokens = always  # type: ignore[method-assign]
+        return
     if where == "before_decode":  # asked by every decode step, launched ahead or not
         real_ask = eng._may_launch_ahead
 
@@ -67,38 +81,60 @@ def _inject(eng: LLMEngine, where: str) -> None:
     eng._append_tokens = append  # type: ignore[method-assign]
 
 
-def _run(eng: LLMEngine, finished: dict[str, list[int]]) -> set[str]:
-    """Step until nothing is left; returns the requests lost to a failed step."""
-    lost: set[str] = set()
-    while eng.has_unfinished_requests():
+class Client:
+    """Drives an engine as the serving loop does: streams each request's tokens, and after a
+    failed step resumes each lost request from what it received (``resume``) or gives it up."""
+
+    def __init__(self, eng: LLMEngine, resume: bool, reverse: bool = False) -> None:
+        self.eng, self.resume, self.reverse = eng, resume, reverse
+        self.received: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.lost: set[str] = set()
+        self.failures = 0
+
+    def step(self) -> None:
         try:
-            outputs = eng.step()
+            outputs = self.eng.step()
         except StepFailed as exc:
             assert isinstance(exc.__cause__, Injected)
-            lost |= exc.request_ids
-            continue
+            self.failures += 1
+            for rid in sorted(exc.request_ids, reverse=self.reverse):  # resumed last, run first
+                if not (self.resume and self.eng.resume_request(rid, len(self.received.get(rid, [])))):
+                    self.eng.abort_request(rid)
+                    self.lost.add(rid)
+            return
         for out in outputs:
+            self.received.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert len(self.received[out.request_id]) == out.num_generated
             if out.finished:
-                finished[out.request_id] = out.token_ids
-    return lost
+                self.finished.add(out.request_id)
+
+    def run(self) -> None:
+        while self.eng.has_unfinished_requests():
+            self.step()
 
 
 @pytest.fixture(scope="module")
-def alone(small_vocab_dir: Path) -> dict[tuple[int, ...], list[int]]:
+def alone(small_vocab_dir: Path) -> Reference:
     """Each prompt's greedy output, decoded alone by a fresh autoregressive engine (greedy
     speculation decodes the same tokens: the exactness tests check it)."""
     eng = _engine(small_vocab_dir, "none", False)
-    prompts = [PROMPTS[rid] for rid in ("r2", "r3", "r4")] + [LATE]
-    return {tuple(p): eng.generate([p], GREEDY)[0].token_ids for p in prompts}
+    return {tuple(p): eng.generate([p], GREEDY)[0].token_ids for p in [*PROMPTS.values(), LATE]}
 
 
+def _assert_zeroed(eng: LLMEngine, idle_blocks: int) -> None:
+    assert eng.kv_blocks_used == idle_blocks
+    free = torch.tensor(sorted(set(range(eng.pool.num_blocks)) - set(eng.pool._owner)))
+    assert not eng.pool.kv_cache[:, free].any()  # every freed block zeroed
+
+
+@pytest.mark.parametrize("policy", ["resume", "give_up"])
 @pytest.mark.parametrize("queue", ["waiting", "empty"])
 @pytest.mark.parametrize("where", ["before_decode", "mid_commit", "after_finish"])
 @pytest.mark.parametrize("method", ["none", "tree", "adaptive"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["host", "static"])
-def test_a_failed_step_loses_only_its_batch(
-    small_vocab_dir: Path, alone: dict[tuple[int, ...], list[int]], method: str, graphs: bool, where: str,
-    queue: str,
+def test_a_failed_step_costs_its_batch_a_pause(
+    small_vocab_dir: Path, alone: Reference, method: str, graphs: bool, where: str, queue: str, policy: str
 ) -> None:
     eng = _engine(small_vocab_dir, method, graphs)
     idle_blocks = eng.kv_blocks_used
@@ -107,85 +143,120 @@ def test_a_failed_step_loses_only_its_batch(
     early = PROMPTS if queue == "waiting" else {rid: PROMPTS[rid] for rid in ("r0", "r1")}
     for rid, prompt in early.items():
         eng.add_request(rid, prompt, GREEDY)
-    finished: dict[str, list[int]] = {}
+    client = Client(eng, resume=policy == "resume")
     for _ in range(2):
-        eng.step()
-    running = {s.request_id for s in eng.scheduler.running}
-    assert running == {"r0", "r1"}
+        client.step()
+    assert {s.request_id for s in eng.scheduler.running} == {"r0", "r1"}
     _inject(eng, where)
-    with pytest.raises(StepFailed) as failure:
-        while eng.has_unfinished_requests():  # "after_finish" fails in the step where a request ends
-            for out in eng.step():
-                assert not out.finished or where != "after_finish"
-                if out.finished:
-                    finished[out.request_id] = out.token_ids
-    lost = failure.value.request_ids
-    assert lost and lost <= running and not lost & set(finished)
-    assert all(eng.sequence(rid) is None for rid in lost)
+    while not client.failures:
+        assert eng.has_unfinished_requests()
+        client.step()
     zeroed = {event.request_id for event in eng.drain_zero_events()}
-    assert lost <= zeroed
+    assert {"r0", "r1"} & zeroed  # the failed batch's blocks were zeroed at once
     for rid in PROMPTS.keys() - early.keys():
         eng.add_request(rid, PROMPTS[rid], GREEDY)
-    assert not _run(eng, finished)
+    client.run()
     eng.add_request("late", LATE, GREEDY)
-    assert not _run(eng, finished)
-    assert set(finished) == {*PROMPTS, "late"} - lost
-    for rid in set(finished) - {"late", "r0", "r1"}:
-        assert finished[rid] == alone[tuple(PROMPTS[rid])], rid
-    assert finished["late"] == alone[tuple(LATE)]
-    assert eng.kv_blocks_used == idle_blocks
-    free = torch.tensor(sorted(set(range(eng.pool.num_blocks)) - set(eng.pool._owner)))
-    assert not eng.pool.kv_cache[:, free].any()  # every freed block zeroed
+    client.run()
+    assert client.failures == 1
+    if policy == "resume":
+        assert not client.lost
+    else:
+        assert client.lost and client.lost <= {"r0", "r1"}
+        assert all(eng.sequence(rid) is None for rid in client.lost)
+    assert client.finished == {*PROMPTS, "late"} - client.lost
+    for rid in client.finished:
+        assert client.received[rid] == alone[tuple(PROMPTS.get(rid, LATE))], rid
+    _assert_zeroed(eng, idle_blocks)
 
 
+@pytest.mark.parametrize("first", ["r0", "r1"])
+@pytest.mark.parametrize("method", ["none", "tree", "adaptive"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["host", "static"])
+def test_a_request_that_always_fails_fails_alone(
+    small_vocab_dir: Path, alone: Reference, method: str, graphs: bool, first: str
+) -> None:
+    """r1 makes every step it gets tokens in raise: the first failure parks r0 and r1, both are
+    resumed, each runs alone until it has decoded a step (``first`` first; r1 first, r0 pauses
+    while r1 fails alone), and only r1 is lost."""
+    eng = _engine(small_vocab_dir, method, graphs)
+    idle_blocks = eng.kv_blocks_used
+    for rid, prompt in PROMPTS.items():
+        eng.add_request(rid, prompt, GREEDY)
+    _inject(eng, "", culprit="r1")
+    client = Client(eng, resume=True, reverse=first == "r0")
+    client.run()
+    assert client.lost == {"r1"} and client.failures == 2
+    assert client.finished == PROMPTS.keys() - {"r1"}
+    for rid in client.finished:
+        assert client.received[rid] == alone[tuple(PROMPTS[rid])], rid
+    _assert_zeroed(eng, idle_blocks)
+
+
+@pytest.mark.parametrize("policy", ["resume", "give_up"])
 @pytest.mark.parametrize("where", ["mid_commit", "after_finish"])
 @pytest.mark.parametrize("method", ["none", "adaptive"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["host", "static"])
-def test_a_failed_session_turn_is_rolled_back(small_vocab_dir: Path, method: str, graphs: bool, where: str) -> None:
+def test_a_failed_session_turn_is_resumed_or_rolled_back(
+    small_vocab_dir: Path, method: str, graphs: bool, where: str, policy: str
+) -> None:
     first, second, third = [1, 2, 3, 4], [5, 0, 1], [2, 2, 3, 5, 1]
 
-    def turn(eng: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
-        eng.add_request(rid, prompt, GREEDY, session_id="s")
-        finished: dict[str, list[int]] = {}
-        assert not _run(eng, finished)
-        return finished[rid]
+    def turn(client: Client, rid: str, prompt: list[int]) -> list[int]:
+        client.eng.add_request(rid, prompt, GREEDY, session_id="s")
+        client.run()
+        return client.received[rid]
 
     eng = _engine(small_vocab_dir, method, graphs)
     idle_blocks = eng.kv_blocks_used
     eng.open_session("s")
-    out1 = turn(eng, "t1", first)
+    client = Client(eng, resume=policy == "resume")
+    out1 = turn(client, "t1", first)
     history = eng.session_num_tokens("s")
     eng.add_request("t2", second, GREEDY, session_id="s")
-    eng.step()  # its prefill
+    client.step()  # its prefill
     _inject(eng, where)
-    with pytest.raises(StepFailed) as failure:
-        while eng.has_unfinished_requests():
-            eng.step()
-    assert failure.value.request_ids == {"t2"}
-    assert eng.session_num_tokens("s") == history  # the turn never happened
-    out3 = turn(eng, "t3", third)
+    client.run()
+    assert client.failures == 1
+    if policy == "resume":
+        assert "t2" in client.finished and not client.lost
+    else:
+        assert client.lost == {"t2"}
+        assert eng.session_num_tokens("s") == history  # the turn never happened
+    out3 = turn(client, "t3", third)
     assert eng.close_session("s") > 0
-    assert eng.kv_blocks_used == idle_blocks
+    _assert_zeroed(eng, idle_blocks)
 
-    fresh = _engine(small_vocab_dir, method, graphs)
-    fresh.open_session("s")
+    fresh = Client(_engine(small_vocab_dir, method, graphs), resume=False)
+    fresh.eng.open_session("s")
     assert turn(fresh, "t1", first) == out1
+    if policy == "resume":
+        assert turn(fresh, "t2", second) == client.received["t2"]
     assert turn(fresh, "t3", third) == out3
 
 
-def test_the_serving_loop_fails_only_the_requests_lost(
-    small_vocab_dir: Path, alone: dict[tuple[int, ...], list[int]]
+@pytest.mark.parametrize("culprit", [None, "r1"])
+def test_the_serving_loop_resumes_the_batch_and_fails_only_the_culprit(
+    small_vocab_dir: Path, alone: Reference, culprit: str | None
 ) -> None:
-    """Through the serving loop: the first step fails mid-commit; the two requests it ran get
-    ``RequestFailed``, the ones waiting in the engine or in the loop's queue are answered."""
+    """Through the serving loop: the first step fails mid-commit (once, or whenever r1 is in
+    it); r0 and r1 resume from what their streams delivered; r2-r3 wait in the engine and r4
+    in the loop's queue meanwhile. Every stream gets the exact greedy tokens, but r1's when it
+    always fails: ``RequestFailed``."""
     eng = _engine(small_vocab_dir, "tree", True)
     idle_blocks = eng.kv_blocks_used
-    loop = EngineLoop(lambda: eng, max_running=4)  # r0-r1 run, r2-r3 wait in the engine, r4 in the loop
+    failures: list[tuple[int, int]] = []  # (resumed, lost) per failed step
+
+    class Observer(NullObserver):
+        def on_step_failed(self, resumed: int, lost: int) -> None:
+            failures.append((resumed, lost))
+
+    loop = EngineLoop(lambda: eng, max_running=4, observer=Observer())
 
     async def serve() -> dict[str, list[int] | None]:
         loop.start()
         assert await asyncio.to_thread(loop.wait_ready, 30)
-        await loop.call(lambda engine: _inject(engine, "mid_commit"))
+        await loop.call(lambda engine: _inject(engine, "mid_commit", culprit))
         streams = {rid: await loop.submit(rid, prompt, GREEDY) for rid, prompt in PROMPTS.items()}
         answers: dict[str, list[int] | None] = {}
         for rid, stream in streams.items():
@@ -206,7 +277,8 @@ def test_the_serving_loop_fails_only_the_requests_lost(
         answers = asyncio.run(serve())
     finally:
         loop.stop()
-    assert answers["r0"] is None and answers["r1"] is None
-    for rid in ("r2", "r3", "r4"):
-        assert answers[rid] == alone[tuple(PROMPTS[rid])], rid
-    assert loop.num_active == 0 and eng.kv_blocks_used == idle_blocks
+    for rid, prompt in PROMPTS.items():
+        assert answers[rid] == (None if rid == culprit else alone[tuple(prompt)]), rid
+    assert failures == ([(2, 0)] if culprit is None else [(2, 0), (0, 1)])
+    assert loop.num_active == 0
+    _assert_zeroed(eng, idle_blocks)
