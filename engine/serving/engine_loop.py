@@ -304,11 +304,7 @@ class EngineLoop:
             # has decoded a step), or fails if it had been resumed before; the others, waiting
             # in the engine or in this loop's queue, carry on.
             log.error("%s", exc, exc_info=exc.__cause__)
-            lost = []
-            for request_id in exc.request_ids:
-                stream = self._streams.get(request_id)
-                if stream is None or not self._engine.resume_request(request_id, stream.num_delivered):
-                    lost.append(request_id)
+            lost = [rid for rid in exc.request_ids if not self._resume(rid)]
             if lost:
                 log.error("requests failed after a failed step: %s", ", ".join(sorted(lost)))
                 self._fail(lost, RequestFailed("the engine failed while generating"))
@@ -329,6 +325,18 @@ class EngineLoop:
             if out.finished:
                 del self._streams[out.request_id]
                 self._count(active=-1)
+
+    def _resume(self, request_id: str) -> bool:
+        """Resume a request of a failed step from what its stream delivered; False if it may
+        not be (resumed before, or no longer served)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        try:
+            return bool(self._engine.resume_request(request_id, stream.num_delivered))
+        except Exception:
+            log.exception("resume_request failed")
+            return False
 
     def _after_work(self) -> None:
         self._flush_zero_events()
