@@ -82,15 +82,24 @@ def _config(app: Any, host: str, port: int, lifespan: Literal["on", "off"]) -> u
     )  # fmt: skip
 
 
-async def _watch_load(service: Service, stop: asyncio.Event, exit_code: list[int]) -> None:
+async def _watch_engine(
+    service: Service, stop: asyncio.Event, exit_code: list[int], poll_s: float = 0.1
+) -> None:
+    """Exit (code 1, for the supervisor to restart the process) if the model fails to load,
+    or later if the engine fails a step it cannot recover from (``EngineLoop.fault``)."""
     while service.loop.load_error is None and not service.loop.ready:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(poll_s)
     if service.loop.load_error is not None:
         log.error("the model failed to load; exiting")
         exit_code[0] = 1
         stop.set()
-    else:
-        log.info("model loaded", extra={"fields": {"model": service.model_name}})
+        return
+    log.info("model loaded", extra={"fields": {"model": service.model_name}})
+    while service.loop.fault is None:
+        await asyncio.sleep(poll_s)
+    log.error("the engine failed a step it could not recover from; exiting to be restarted")
+    exit_code[0] = 1
+    stop.set()
 
 
 async def serve(settings: Settings, tenants: TenantRegistry) -> int:
@@ -114,7 +123,7 @@ async def serve(settings: Settings, tenants: TenantRegistry) -> int:
     loop.add_signal_handler(signal.SIGHUP, reload_tenants)
     api_task = asyncio.create_task(api.serve())
     metrics_task = asyncio.create_task(metrics.serve())
-    watcher = asyncio.create_task(_watch_load(service, stop, exit_code))
+    watcher = asyncio.create_task(_watch_engine(service, stop, exit_code))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({api_task, metrics_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down: draining requests")

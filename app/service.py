@@ -46,6 +46,8 @@ class Service:
         if not self.loop.ready:
             if self.loop.load_error is not None:
                 raise unavailable("the model failed to load", "not_ready")
+            if self.loop.fault is not None:
+                raise unavailable("the engine failed and is restarting", "engine_failed")
             raise unavailable("the model is loading", "not_ready")
 
     @property
@@ -102,5 +104,8 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         for record in self.sessions.all():
-            await self.close_session(record)
+            try:
+                await self.close_session(record)
+            except Exception:  # a failed engine (``EngineLoop.fault``): the others still close
+                log.exception("closing a session at shutdown failed")
         await asyncio.to_thread(self.loop.stop)

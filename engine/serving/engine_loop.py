@@ -85,6 +85,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="mtpserve-engine", daemon=True)
         self._engine: Any = None
         self.load_error: BaseException | None = None
+        self.fault: BaseException | None = None  # a step the engine could not recover from
         self.accepting = False
         self.stats = LoopStats(0, 0, 0, 0)
 
@@ -99,7 +100,7 @@ class EngineLoop:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.load_error is None and self.alive
+        return self._ready.is_set() and self.load_error is None and self.fault is None and self.alive
 
     @property
     def alive(self) -> bool:
@@ -310,8 +311,13 @@ class EngineLoop:
                 self._fail(lost, RequestFailed("the engine failed while generating"))
             self._observer.on_step_failed(len(exc.request_ids) - len(lost), len(lost))
             return
-        except Exception:
-            log.exception("engine step failed; failing every request in the engine")
+        except Exception as exc:
+            # Not a step the engine recovered from (``StepFailed``): its recovery failed too (a
+            # sticky device error), and its state is unknown. Every request in it fails, and the
+            # loop stops accepting: ``ready`` turns false, and the server exits to be restarted.
+            log.exception("engine step failed and the engine did not recover; failing every request")
+            self.fault = exc
+            self.accepting = False
             self._observer.on_step_failed(0, len(self._streams))
             self._fail(list(self._streams), RequestFailed("the engine failed while generating"))
             return

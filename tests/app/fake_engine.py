@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput, SpecStats, ZeroEvent
 from engine.params import SamplingParams
+from engine.step_failure import StepFailed
 
 REPLY = "Hello, wörld! The quick brown fox 🦊 jumps. ".encode()
 BOS, EOS, OFFSET = 1, 2, 3
@@ -85,7 +86,8 @@ class FakeEngine:
         self.kv_blocks_total = num_blocks
         self.step_delay_s = step_delay_s
         self.max_batch = max_batch
-        self.fail_next_step = False
+        self.fail_next_step = False  # the next step raises StepFailed (recovered, as LLMEngine's)
+        self.break_next_step = False  # the next step raises a plain error (recovery failed)
         self.last_decode_budget: str | None = None
         self.eos_after: int | None = None  # emit EOS after this many generated tokens
         self._requests: dict[str, _Seq] = {}
@@ -136,6 +138,9 @@ class FakeEngine:
         seq.stats = SpecStats()
         self.prefilled_tokens.append(len(prompt_token_ids))
         self._requests[request_id] = seq
+
+    def resume_request(self, request_id: str, num_delivered: int) -> bool:
+        return False  # the stand-in never resumes: its failed requests are lost
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.pop(request_id, None)
@@ -189,11 +194,15 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        batch = list(self._requests.values())[: self.max_batch]
         if self.fail_next_step:
             self.fail_next_step = False
-            raise RuntimeError("simulated engine failure")
+            raise StepFailed(frozenset(seq.request_id for seq in batch), RuntimeError("simulated"))
+        if self.break_next_step:
+            self.break_next_step = False
+            raise RuntimeError("simulated engine failure, not recovered")
         outputs = []
-        for seq in list(self._requests.values())[: self.max_batch]:
+        for seq in batch:
             outputs.append(self._advance(seq))
         self.last_decode_budget = "chain-2" if outputs else None
         return outputs

@@ -121,6 +121,16 @@ async def test_engine_failure_mid_stream_sends_error_chunk_then_done() -> None:
         assert (await h.complete(prompt="x", max_tokens=4)).status_code == 200
 
 
+async def test_an_engine_that_does_not_recover_stops_taking_requests() -> None:
+    async with running_app() as h:
+        h.engine.step_delay_s = 0.01
+        h.engine.break_next_step = True
+        assert_error(await h.complete(prompt="x", max_tokens=8), 500)
+        ready = await h.client.get("/ready")
+        assert assert_error(ready, 503)["code"] == "engine_failed"
+        assert assert_error(await h.complete(prompt="x", max_tokens=4), 503)["code"] == "engine_failed"
+
+
 async def test_eos_finishes_with_stop() -> None:
     async with running_app() as h:
         h.engine.eos_after = 3

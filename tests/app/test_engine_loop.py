@@ -99,3 +99,22 @@ async def test_load_failure_is_reported() -> None:
     assert isinstance(loop.load_error, FileNotFoundError)
     with pytest.raises(LoopClosed):
         await loop.submit("x", [1], SamplingParams())
+
+
+async def test_the_server_exits_when_the_engine_cannot_recover() -> None:
+    """``mtpserve serve`` exits with code 1 (its supervisor restarts it) once the engine loop has
+    a fault, as it does when the model fails to load."""
+    from types import SimpleNamespace
+
+    from app.server import _watch_engine
+
+    loop = SimpleNamespace(load_error=None, ready=True, fault=None)
+    service = SimpleNamespace(loop=loop, model_name="m")
+    stop, exit_code = asyncio.Event(), [0]
+    watcher = asyncio.create_task(_watch_engine(service, stop, exit_code, poll_s=0.01))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    assert not stop.is_set()
+    loop.fault = RuntimeError("sticky device error")
+    await asyncio.wait_for(stop.wait(), 1)
+    assert exit_code == [1]
+    await watcher
