@@ -724,23 +724,23 @@ class LLMEngine:
         ``num_delivered`` tokens it generated (what its caller has handed on; the rest is
         generated again): queued ahead of every waiting request, it is recomputed and then runs
         alone until it has decoded one step, so a request that fails every step it is in fails
-        alone. False, and nothing done, if it was resumed once already (give it up with
-        ``abort_request``). A greedy request continues exactly as if no step had failed; a
-        seeded one draws from its seed afresh."""
+        alone. A greedy request continues exactly as if no step had failed, an unseeded sampled
+        one from the target's law given its tokens so far. False, and nothing done (give it up
+        with ``abort_request``), if it was resumed once already, or if it samples with a seed:
+        its draws could not continue its seed's, and a seed must reproduce the request."""
         seq = self._parked.get(request_id)
         if seq is None:
             raise ValueError(f"request {request_id!r} is not parked by a failed step")
         if not 0 <= num_delivered <= len(seq.tokens) - seq.output_start:
             raise ValueError(f"num_delivered {num_delivered} is outside the {len(seq.tokens) - seq.output_start} "
                              f"tokens request {request_id!r} generated")  # fmt: skip
-        if seq.retried:
+        if seq.retried or (seq.sampling.seed is not None and not seq.sampling.greedy):
             return False
         del self._parked[request_id]
         del seq.tokens[seq.output_start + num_delivered :]
         seq.retried = seq.suspect = True
         seq.finish_reason = None
         seq.stats = type(seq.stats)()
-        seq.generator = make_generator(seq.sampling.seed, self.device)
         seq.yield_clock = None
         self._requests[request_id] = seq
         self.scheduler.add_first(seq)

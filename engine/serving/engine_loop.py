@@ -326,8 +326,9 @@ class EngineLoop:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.num_delivered = out.num_generated
-            stream.deliver(StepOutput.from_engine(out))
+            item = StepOutput.from_engine(out)
+            stream.num_delivered = item.num_generated
+            stream.deliver(item)
             if out.finished:
                 del self._streams[out.request_id]
                 self._count(active=-1)

@@ -282,3 +282,27 @@ def test_the_serving_loop_resumes_the_batch_and_fails_only_the_culprit(
     assert failures == ([(2, 0)] if culprit is None else [(2, 0), (0, 1)])
     assert loop.num_active == 0
     _assert_zeroed(eng, idle_blocks)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["host", "static"])
+def test_a_seeded_sampled_request_is_failed_not_resumed(small_vocab_dir: Path, graphs: bool) -> None:
+    """Its draws after a resume could not continue its seed's, so it fails, and its retry
+    reproduces it; the greedy and the unseeded sampled requests of the batch are resumed."""
+    seeded = SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=3)
+    unseeded = SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0)
+    eng = _engine(small_vocab_dir, "tree", graphs)
+    eng.scheduler.max_batch_size = 3
+    eng.add_request("greedy", PROMPTS["r0"], GREEDY)
+    eng.add_request("seeded", PROMPTS["r1"], seeded)
+    eng.add_request("sampled", PROMPTS["r2"], unseeded)
+    client = Client(eng, resume=True)
+    client.step()
+    _inject(eng, "mid_commit")
+    client.run()
+    assert client.failures == 1 and client.lost == {"seeded"}
+    assert client.finished == {"greedy", "sampled"}
+    assert len(client.received["sampled"]) == 10
+    eng.add_request("retry", PROMPTS["r1"], seeded)
+    client.run()
+    fresh = _engine(small_vocab_dir, "tree", graphs).generate([PROMPTS["r1"]], seeded)[0].token_ids
+    assert client.received["retry"] == fresh
