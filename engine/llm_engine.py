@@ -686,11 +686,11 @@ class LLMEngine:
 
         The batch is every running sequence (those admitted by the failed step included; only
         the suspect where one ran alone) and those that ended in it, whose outputs were never
-        returned. Each is taken out of the
-        scheduler, its KV blocks zeroed and freed and its computation forgotten (entries the
-        step wrote, committed or not, are not trusted), and parked until the caller resumes it
-        (``resume_request``) or gives it up (``abort_request``). The hidden log hands the other
-        sequences their rows; requests waiting for a batch slot are untouched."""
+        returned. Each is taken out of the scheduler, its KV blocks zeroed and freed and its
+        computation forgotten (entries the step wrote, committed or not, are not trusted), and
+        parked until the caller resumes it (``resume_request``) or gives it up
+        (``abort_request``). The hidden log hands the other sequences their rows; requests
+        waiting for a batch slot are untouched."""
         alone = self._alone_in_step  # a suspect's step: the other running sequences paused
         running = self.scheduler.running if alone is None else [alone]
         batch = [*dict.fromkeys([*running, *self._ended_in_step])]
