@@ -99,6 +99,8 @@ class Metrics:
             "Requests of a failed engine step, by outcome: resumed, or lost (failed).",
             ["outcome"], registry=r,
         )  # fmt: skip
+        for outcome in ("resumed", "lost"):  # 0, not "no data", until a step fails
+            self.step_failure_requests.labels(outcome=outcome)
         self.running = Gauge(p + "requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests waiting to run.", registry=r)
         self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use.", registry=r)
