@@ -97,7 +97,8 @@ fi
 gpu_tests() {  # $1: seconds allowed
     if "$PY" -c 'import pytest' 2>/dev/null; then
         echo "== GPU kernel tests (at most $1 s)"
-        timeout "$1" "$PY" -m pytest -q -p no:cacheprovider tests/engine/kernels/test_gpu_kernels.py \
+        timeout "$1" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/kernels/test_gpu_kernels.py \
+            tests/engine/test_step_failure.py \
             > "$OUT/gpu_kernel_tests.log" 2>&1 || echo "== GPU kernel tests exited with status $?"
         tail -1 "$OUT/gpu_kernel_tests.log"
     fi

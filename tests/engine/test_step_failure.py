@@ -306,3 +306,44 @@ def test_a_seeded_sampled_request_is_failed_not_resumed(small_vocab_dir: Path, g
     client.run()
     fresh = _engine(small_vocab_dir, "tree", graphs).generate([PROMPTS["r1"]], seeded)[0].token_ids
     assert client.received["retry"] == fresh
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["tree", "adaptive"])
+def test_failed_steps_are_resumed_exactly_with_cuda_graphs_on_gpu(small_vocab_dir: Path, method: str) -> None:
+    """The same on a GPU in float32: captured CUDA graphs, Triton kernels and steps launched
+    ahead (the defaults there), every injection point, then a request that always fails."""
+
+    def engine(m: str) -> LLMEngine:
+        config = EngineConfig(max_batch_size=2, kv_memory_bytes=4 << 20, max_model_len=64)
+        return LLMEngine.from_pretrained(small_vocab_dir, device="cuda", dtype="float32",
+                                         spec=SpecConfig(method=m), engine_config=config)  # type: ignore[arg-type]  # fmt: skip
+
+    reference = engine("none")
+    expected = {rid: reference.generate([p], GREEDY)[0].token_ids for rid, p in PROMPTS.items()}
+    for where in ("before_decode", "mid_commit", "after_finish"):
+        eng = engine(method)
+        idle_blocks = eng.kv_blocks_used
+        for rid in ("r0", "r1"):  # nothing waits: steps are launched ahead
+            eng.add_request(rid, PROMPTS[rid], GREEDY)
+        client = Client(eng, resume=True)
+        for _ in range(2):
+            client.step()
+        _inject(eng, where)
+        while not client.failures:
+            assert eng.has_unfinished_requests(), where
+            client.step()
+        for rid in ("r2", "r3", "r4"):
+            eng.add_request(rid, PROMPTS[rid], GREEDY)
+        client.run()
+        assert not client.lost and client.finished == set(PROMPTS), where
+        assert {rid: client.received[rid] for rid in PROMPTS} == expected, where
+        _assert_zeroed(eng, idle_blocks)
+    eng = engine(method)
+    for rid, prompt in PROMPTS.items():
+        eng.add_request(rid, prompt, GREEDY)
+    _inject(eng, "", culprit="r1")
+    client = Client(eng, resume=True)
+    client.run()
+    assert client.lost == {"r1"}
+    assert {rid: client.received[rid] for rid in client.finished} == {r: expected[r] for r in client.finished}
