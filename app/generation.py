@@ -40,7 +40,8 @@ class GenerationInput:
     sampling: SamplingParams
     stops: list[str]
     session: SessionRecord | None = None
-    cached_tokens: int = 0  # session history already in the KV cache
+    history_tokens: int = 0  # the session's tokens before this turn
+    cached_tokens: int = 0  # of those, the ones whose KV entries the turn reuses
     prompt_text: str | None = None  # kept only for debug logging (MTPSERVE_LOG_TEXT)
 
 
@@ -86,7 +87,7 @@ class Generation:
     async def start(self, request: Request) -> None:
         svc, inp = self.service, self.inp
         prompt_len = len(inp.prompt_token_ids)
-        kv_tokens = inp.cached_tokens + prompt_len + inp.sampling.max_tokens
+        kv_tokens = inp.history_tokens + prompt_len + inp.sampling.max_tokens
         idle = svc.sessions.idle_tokens(self.tenant.name)
         try:
             self.lease = svc.quotas.acquire(
@@ -215,7 +216,7 @@ class Generation:
                 admitted_ok = not self.stream.admitted.exception()
                 if admitted_ok:
                     used = len(self.inp.prompt_token_ids) + self.completion_tokens
-                    session.num_tokens = self.inp.cached_tokens + used
+                    session.num_tokens = self.inp.history_tokens + used
         if self.stream is None or not self.stream.admitted.done():
             return  # rejected before admission: already counted
         if self.stream.admitted.exception() is not None:

@@ -448,6 +448,15 @@ class LLMEngine:
             raise ValueError(f"unknown session {session_id!r}")
         return len(seq.tokens)
 
+    def session_cached_tokens(self, session_id: str) -> int:
+        """Tokens of the session whose KV entries its next turn reuses: all but the last one
+        generated (computed with the next turn's prompt), none after its cache was dropped (a
+        failed turn rolled back, ``engine.step_failure``)."""
+        seq = self._sessions.get(session_id)
+        if seq is None:
+            raise ValueError(f"unknown session {session_id!r}")
+        return seq.num_committed
+
     # ------------------------------------------------------------------ introspection
     @property
     def num_running(self) -> int:

@@ -169,6 +169,9 @@ class FakeEngine:
             raise ValueError("unknown session")
         return len(seq.tokens)
 
+    def session_cached_tokens(self, session_id: str) -> int:
+        return self.session_num_tokens(session_id)  # the stand-in keeps its whole history
+
     # -------------------------------------------------------------- stats
     @property
     def num_running(self) -> int:

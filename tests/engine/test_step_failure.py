@@ -213,6 +213,7 @@ def test_a_failed_session_turn_is_resumed_or_rolled_back(
     client = Client(eng, resume=policy == "resume")
     out1 = turn(client, "t1", first)
     history = eng.session_num_tokens("s")
+    assert eng.session_cached_tokens("s") == history - 1  # its last token runs with the next turn
     eng.add_request("t2", second, GREEDY, session_id="s")
     client.step()  # its prefill
     _inject(eng, where)
@@ -223,6 +224,7 @@ def test_a_failed_session_turn_is_resumed_or_rolled_back(
     else:
         assert client.lost == {"t2"}
         assert eng.session_num_tokens("s") == history  # the turn never happened
+        assert eng.session_cached_tokens("s") == 0  # and its cache is recomputed
     out3 = turn(client, "t3", third)
     assert eng.close_session("s") > 0
     _assert_zeroed(eng, idle_blocks)

@@ -35,11 +35,18 @@ def _busy() -> APIError:
 
 
 async def _engine_tokens(service: Service, record: SessionRecord) -> int:
+    return (await _engine_history(service, record))[0]
+
+
+async def _engine_history(service: Service, record: SessionRecord) -> tuple[int, int]:
+    """The session's tokens, and how many of them have KV entries its next turn reuses."""
     try:
-        n = await service.loop.call(lambda eng: eng.session_num_tokens(record.id))
+        n, cached = await service.loop.call(
+            lambda eng: (eng.session_num_tokens(record.id), eng.session_cached_tokens(record.id))
+        )
     except (LoopClosed, ValueError, KeyError):
-        return record.num_tokens
-    return int(n)
+        return record.num_tokens, 0
+    return int(n), int(cached)
 
 
 @router.post("", response_model=SessionCreated, responses=ERRORS)
@@ -106,19 +113,20 @@ async def _turn_input(
     body: SessionCompletionRequest, record: SessionRecord, tenant: str, service: Service
 ) -> GenerationInput:
     engine = service.engine
-    cached = await _engine_tokens(service, record)
+    history, cached = await _engine_history(service, record)
     if service.sessions.get(tenant, record.id) is None:  # closed while we waited
         raise not_found("No such session.", "session_not_found")
     # Only the first turn starts with BOS; later turns continue the text.
-    ids = encode_prompt(engine.tokenizer, body.single_prompt, add_special_tokens=cached == 0)
+    ids = encode_prompt(engine.tokenizer, body.single_prompt, add_special_tokens=history == 0)
     max_tokens = resolve_max_tokens(
-        body.max_tokens, DEFAULT_MAX_TOKENS, cached + len(ids), engine.max_model_len
+        body.max_tokens, DEFAULT_MAX_TOKENS, history + len(ids), engine.max_model_len
     )
     return GenerationInput(
         prompt_token_ids=ids,
         sampling=build_sampling(body, max_tokens),
         stops=body.stop_list,
         session=record,
+        history_tokens=history,
         cached_tokens=cached,
         prompt_text=body.prompt if isinstance(body.prompt, str) else None,
     )
