@@ -37,6 +37,9 @@ from engine.serving.request_stream import (
 from engine.step_failure import StepFailed
 
 log = logging.getLogger("mtpserve.engine_loop")
+# Failed steps in a row with no request in their batch (the engine failing on its own, before
+# any request ran) after which the loop gives the engine up (``EngineLoop.fault``).
+MAX_UNATTRIBUTED_FAILURES = 2
 T = TypeVar("T")
 
 
@@ -86,6 +89,7 @@ class EngineLoop:
         self._engine: Any = None
         self.load_error: BaseException | None = None
         self.fault: BaseException | None = None  # a step the engine could not recover from
+        self._unattributed = 0  # failed steps in a row that had no request in them
         self.accepting = False
         self.stats = LoopStats(0, 0, 0, 0)
 
@@ -305,6 +309,12 @@ class EngineLoop:
             # has decoded a step), or fails if it had been resumed before; the others, waiting
             # in the engine or in this loop's queue, carry on.
             log.error("%s", exc, exc_info=exc.__cause__)
+            self._unattributed = 0 if exc.request_ids else self._unattributed + 1
+            if self._unattributed >= MAX_UNATTRIBUTED_FAILURES:
+                # Steps that fail with no request in them, one after another: the engine
+                # itself is failing, and no request would ever run again.
+                self._fault(exc)
+                return
             lost = [rid for rid in exc.request_ids if not self._resume(rid)]
             if lost:
                 log.error("requests failed after a failed step: %s", ", ".join(sorted(lost)))
@@ -313,14 +323,11 @@ class EngineLoop:
             return
         except Exception as exc:
             # Not a step the engine recovered from (``StepFailed``): its recovery failed too (a
-            # sticky device error), and its state is unknown. Every request in it fails, and the
-            # loop stops accepting: ``ready`` turns false, and the server exits to be restarted.
-            log.exception("engine step failed and the engine did not recover; failing every request")
-            self.fault = exc
-            self.accepting = False
-            self._observer.on_step_failed(0, len(self._streams))
-            self._fail(list(self._streams), RequestFailed("the engine failed while generating"))
+            # sticky device error), and its state is unknown.
+            log.exception("engine step failed and the engine did not recover")
+            self._fault(exc)
             return
+        self._unattributed = 0
         self._observer.on_step(outputs, time.perf_counter() - started, self._engine.last_decode_budget)
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -332,6 +339,14 @@ class EngineLoop:
             if out.finished:
                 del self._streams[out.request_id]
                 self._count(active=-1)
+
+    def _fault(self, exc: BaseException) -> None:
+        """The engine cannot go on: every request in it fails, and the loop stops accepting
+        (``ready`` turns false; the server exits to be restarted)."""
+        self.fault = exc
+        self.accepting = False
+        self._observer.on_step_failed(0, len(self._streams))
+        self._fail(list(self._streams), RequestFailed("the engine failed while generating"))
 
     def _resume(self, request_id: str) -> bool:
         """Resume a request of a failed step from what its stream delivered; False if it may

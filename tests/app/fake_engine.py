@@ -88,6 +88,7 @@ class FakeEngine:
         self.max_batch = max_batch
         self.fail_next_step = False  # the next step raises StepFailed (recovered, as LLMEngine's)
         self.break_next_step = False  # the next step raises a plain error (recovery failed)
+        self.fail_empty_steps = 0  # this many steps raise StepFailed with no request in them
         self.last_decode_budget: str | None = None
         self.eos_after: int | None = None  # emit EOS after this many generated tokens
         self._requests: dict[str, _Seq] = {}
@@ -201,6 +202,9 @@ class FakeEngine:
         if self.fail_next_step:
             self.fail_next_step = False
             raise StepFailed(frozenset(seq.request_id for seq in batch), RuntimeError("simulated"))
+        if self.fail_empty_steps:
+            self.fail_empty_steps -= 1
+            raise StepFailed(frozenset(), RuntimeError("simulated failure before any request ran"))
         if self.break_next_step:
             self.break_next_step = False
             raise RuntimeError("simulated engine failure, not recovered")

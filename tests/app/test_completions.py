@@ -131,6 +131,22 @@ async def test_an_engine_that_does_not_recover_stops_taking_requests() -> None:
         assert assert_error(await h.complete(prompt="x", max_tokens=4), 503)["code"] == "engine_failed"
 
 
+@pytest.mark.parametrize("empty_failures", [1, 2])
+async def test_steps_failing_with_no_request_in_them_give_the_engine_up_on_the_second(
+    empty_failures: int,
+) -> None:
+    async with running_app() as h:
+        h.engine.step_delay_s = 0.01
+        h.engine.fail_empty_steps = empty_failures
+        resp = await h.complete(prompt="x", max_tokens=8)
+        if empty_failures == 1:  # one, attributed to nothing: the request still runs
+            assert resp.status_code == 200
+            assert (await h.client.get("/ready")).status_code == 200
+        else:
+            assert_error(resp, 500)
+            assert assert_error(await h.client.get("/ready"), 503)["code"] == "engine_failed"
+
+
 async def test_eos_finishes_with_stop() -> None:
     async with running_app() as h:
         h.engine.eos_after = 3
