@@ -14,6 +14,7 @@ in must be the only one lost.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -349,3 +350,59 @@ def test_failed_steps_are_resumed_exactly_with_cuda_graphs_on_gpu(small_vocab_di
     client.run()
     assert client.lost == {"r1"}
     assert {rid: client.received[rid] for rid in client.finished} == {r: expected[r] for r in client.finished}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_failures_among_arrivals_sessions_and_resumes(small_vocab_dir: Path, seed: int) -> None:
+    """A random engine (method, static path, steps launched ahead, batch limit) serves random
+    arrivals, some in sessions, while random steps fail (before or after a request's commit, or
+    whenever one culprit is in them) and each lost request is resumed or given up at random.
+    Every request ends finished or lost, every finished one outside a session streams exactly
+    the greedy tokens a fresh engine produces, and every block comes back zeroed."""
+    rng = random.Random(seed)
+    method, graphs = rng.choice(["none", "chain", "tree", "adaptive"]), rng.random() < 0.5
+    config = EngineConfig(cuda_graphs=graphs, overlap_steps=graphs and rng.random() < 0.7,
+                          max_batch_size=rng.choice([1, 2, 3]), kv_memory_bytes=4 << 20, max_model_len=64)  # fmt: skip
+    eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method=method), engine_config=config)  # type: ignore[arg-type]
+    reference = _engine(small_vocab_dir, "none", False)
+    idle_blocks = eng.kv_blocks_used
+    p_fail = rng.choice([0.05, 0.15])
+    culprit = f"q{rng.randrange(8)}" if rng.random() < 0.4 else None
+    real_append: Callable[..., None] = eng._append_tokens
+
+    def append(seq: Any, *args: Any, **kwargs: Any) -> None:
+        if seq.request_id == culprit or rng.random() < p_fail:
+            raise Injected("before")
+        real_append(seq, *args, **kwargs)
+        if rng.random() < p_fail / 2:
+            raise Injected("after")
+
+    eng._append_tokens = append  # type: ignore[method-assign]
+    client = Client(eng, resume=True)
+    client.resume = False
+    prompts: dict[str, list[int]] = {}
+    sessions: list[str] = []
+    in_session: set[str] = set()
+    for _ in range(300):
+        if len(prompts) < 8 and rng.random() < 0.3:
+            rid, prompt = f"q{len(prompts)}", [rng.randrange(6) for _ in range(rng.randint(1, 10))]
+            session = None
+            if rng.random() < 0.25:
+                session = f"s{len(sessions)}"
+                eng.open_session(session)
+                sessions.append(session)
+                in_session.add(rid)
+            prompts[rid] = prompt
+            eng.add_request(rid, prompt, GREEDY, session_id=session)
+        if eng.has_unfinished_requests():
+            client.resume = rng.random() < 0.8
+            client.step()
+    eng._append_tokens = real_append  # type: ignore[method-assign]
+    client.run()
+    assert client.failures and client.finished | client.lost == set(prompts)
+    for rid in client.finished - in_session:
+        assert client.received[rid] == reference.generate([prompts[rid]], GREEDY)[0].token_ids, rid
+    for session in sessions:
+        eng.close_session(session)
+    assert eng.scheduler.alone is None
+    _assert_zeroed(eng, idle_blocks)
