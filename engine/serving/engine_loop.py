@@ -247,13 +247,14 @@ class EngineLoop:
         self._ready.set()
         try:
             while not self._stop_requested:
-                busy = bool(self._queued) or self._engine.has_unfinished_requests()
+                busy = self.fault is None and (bool(self._queued) or self._engine.has_unfinished_requests())
                 self._run_commands(block=not busy)
                 if self._stop_requested:
                     break
-                self._admit()
-                if self._engine.has_unfinished_requests():
-                    self._step()
+                if self.fault is None:  # a failed engine takes no more work (``_fault``)
+                    self._admit()
+                    if self._engine.has_unfinished_requests():
+                        self._step()
                 self._after_work()
         except Exception:
             log.exception("engine loop crashed")
@@ -347,6 +348,10 @@ class EngineLoop:
         self.accepting = False
         self._observer.on_step_failed(0, len(self._streams))
         self._fail(list(self._streams), RequestFailed("the engine failed while generating"))
+        for item in self._queued:  # never admitted: they fail as they would at admission
+            item.stream.set_admitted(RequestFailed("the engine failed"))
+            self._count(queued=-1, active=-1)
+        self._queued.clear()
 
     def _resume(self, request_id: str) -> bool:
         """Resume a request of a failed step from what its stream delivered; False if it may

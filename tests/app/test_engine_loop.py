@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine.params import SamplingParams
-from engine.serving import EngineLoop, LoopClosed, QueueFull
+from engine.serving import EngineLoop, LoopClosed, QueueFull, RequestFailed
 from tests.app.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
@@ -118,3 +118,22 @@ async def test_the_server_exits_when_the_engine_cannot_recover() -> None:
     await asyncio.wait_for(stop.wait(), 1)
     assert exit_code == [1]
     await watcher
+
+
+async def test_an_engine_that_cannot_recover_fails_every_request_and_takes_no_more() -> None:
+    engine = FakeEngine(step_delay_s=0.02)
+    loop = EngineLoop(lambda: engine, max_running=1)
+    await _ready(loop)
+    running = await loop.submit("a", [1], SamplingParams(max_tokens=50))
+    await running.admitted
+    queued = await loop.submit("b", [1], SamplingParams(max_tokens=5))
+    engine.break_next_step = True
+    with pytest.raises(RequestFailed):
+        while not (await running.get()).finished:
+            pass
+    with pytest.raises(RequestFailed):
+        await queued.admitted
+    assert loop.fault is not None and not loop.ready and loop.num_active == 0
+    with pytest.raises(LoopClosed):
+        await loop.submit("c", [1], SamplingParams())
+    loop.stop()
