@@ -251,10 +251,12 @@ class EngineLoop:
                 self._run_commands(block=not busy)
                 if self._stop_requested:
                     break
-                if self.fault is None:  # a failed engine takes no more work (``_fault``)
+                if self.fault is None:
                     self._admit()
                     if self._engine.has_unfinished_requests():
                         self._step()
+                else:  # a failed engine takes no more work (``_fault``)
+                    self._fail_queued()
                 self._after_work()
         except Exception:
             log.exception("engine loop crashed")
@@ -348,7 +350,12 @@ class EngineLoop:
         self.accepting = False
         self._observer.on_step_failed(0, len(self._streams))
         self._fail(list(self._streams), RequestFailed("the engine failed while generating"))
-        for item in self._queued:  # never admitted: they fail as they would at admission
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """Fail the requests queued here (never admitted), as admission into a failed engine
+        would; those submitted just before the fault arrive after it, and fail on the next turn."""
+        for item in self._queued:
             item.stream.set_admitted(RequestFailed("the engine failed"))
             self._count(queued=-1, active=-1)
         self._queued.clear()
