@@ -588,11 +588,7 @@ class LLMEngine:
         self._ended_in_step.clear()
         self._alone_in_step = None
         try:
-            outputs = self._step()
-            alone = self.scheduler.alone
-            if alone is not None and alone.stats.num_steps:  # a suspect decoded alone: cleared
-                alone.suspect, self.scheduler.alone = False, None
-            return outputs
+            return self._step()
         except Exception as exc:
             raise StepFailed(self._recover_from_failed_step(), exc) from exc
         finally:
