@@ -396,6 +396,7 @@ class LLMEngine:
             seq.generator = make_generator(sampling.seed, self.device)
             seq.stats = type(seq.stats)()
             seq.finish_reason = None
+            seq.new_turn()
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
         self._steps_since_arrival = 0
@@ -728,22 +729,28 @@ class LLMEngine:
         """Resume a request a failed step parked (``StepFailed.request_ids``) from the first
         ``num_delivered`` tokens it generated (what its caller has handed on; the rest is
         generated again): queued ahead of every waiting request, it is recomputed and then runs
-        alone until it has decoded one step, so a request that fails every step it is in fails
-        alone. A greedy request continues exactly as if no step had failed, an unseeded sampled
-        one from the target's law given its tokens so far. False, and nothing done (give it up
-        with ``abort_request``), if it was resumed once already, or if it samples with a seed:
-        its draws could not continue its seed's, and a seed must reproduce the request."""
+        alone until it has decoded one step; resumed a second time (it passed that step, and a
+        later batch failed again), it runs alone until it ends. So a request whose steps fail
+        fails alone, however late in its decoding they start to, and the others of its batches
+        are resumed: each runs alone at most once more, where it cannot fail for another. A
+        greedy request continues exactly as if no step had failed, an unseeded sampled one from
+        the target's law given its tokens so far. False, and nothing done (give it up with
+        ``abort_request``), if the step failed while it ran alone (it is the cause), or if it
+        samples with a seed: its draws could not continue its seed's, and a seed must
+        reproduce the request."""
         seq = self._parked.get(request_id)
         if seq is None:
             raise ValueError(f"request {request_id!r} is not parked by a failed step")
         if not 0 <= num_delivered <= len(seq.tokens) - seq.output_start:
             raise ValueError(f"num_delivered {num_delivered} is outside the {len(seq.tokens) - seq.output_start} "
                              f"tokens request {request_id!r} generated")  # fmt: skip
-        if seq.retried or (seq.sampling.seed is not None and not seq.sampling.greedy):
+        # A suspect is cleared once it has decoded a step (at the next admission), and the
+        # scheduler runs one at a time with no other sequence: a suspect that failed ran alone.
+        if seq.suspect or seq.quarantined or (seq.sampling.seed is not None and not seq.sampling.greedy):
             return False
         del self._parked[request_id]
         del seq.tokens[seq.output_start + num_delivered :]
-        seq.retried = seq.suspect = True
+        seq.quarantined, seq.resumed, seq.suspect = seq.resumed, True, True
         seq.finish_reason = None
         seq.stats = type(seq.stats)()
         seq.yield_clock = None

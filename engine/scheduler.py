@@ -69,8 +69,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         alone = self.alone
-        if alone is not None and alone.stats.num_steps:  # the suspect has decoded alone: cleared
-            alone.suspect, self.alone = False, None
+        if alone is not None and alone.stats.num_steps and not alone.quarantined:
+            alone.suspect, self.alone = False, None  # the suspect has decoded alone: cleared
         while self.waiting and len(self.running) < self.max_batch_size and self.alone is None:
             seq = self.waiting[0]
             extra = self.blocks_needed(seq) - len(seq.block_ids)

@@ -66,10 +66,16 @@ class Sequence:
     yield_clock: tuple[int, float, int] | None = None
     # (source, index): ``pending_hidden`` is ``source.hidden_of(index)``, not yet handed out.
     deferred: tuple[DeferredHidden, int] | None = None
-    # A failed engine step's batch (``engine.step_failure``): resumed once (``retried``), and
-    # until it has decoded a step alone, a ``suspect`` that runs with no other sequence.
-    retried: bool = False
+    # A failed engine step's batch (``engine.step_failure``, ``LLMEngine.resume_request``): a
+    # resumed request is a ``suspect`` that runs with no other sequence until it has decoded a
+    # step; resumed a second time (``resumed`` already), ``quarantined``: alone until it ends.
+    resumed: bool = False
     suspect: bool = False
+    quarantined: bool = False
+
+    def new_turn(self) -> None:
+        """A session's next request: a failed step of an earlier turn counts against none."""
+        self.resumed = self.suspect = self.quarantined = False
 
     def __post_init__(self) -> None:
         self._fresh_mtp_state()

@@ -194,6 +194,55 @@ def test_a_request_that_always_fails_fails_alone(
     _assert_zeroed(eng, idle_blocks)
 
 
+@pytest.mark.parametrize("method", ["none", "tree", "adaptive"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["host", "static"])
+def test_a_request_failing_late_in_its_decoding_fails_alone(
+    small_vocab_dir: Path, alone: Reference, method: str, graphs: bool
+) -> None:
+    """r1's steps fail from its second decode step on (counted from each start), so it passes
+    the decode step it runs alone after the first failure and fails a batch again: resumed a second time, r0 and r1 each run
+    alone until they end, and only r1 is lost (resumed once only, r0 had been lost with it)."""
+    eng = _engine(small_vocab_dir, method, graphs)
+    idle_blocks = eng.kv_blocks_used
+    for rid, prompt in PROMPTS.items():
+        eng.add_request(rid, prompt, GREEDY)
+    real_append: Callable[..., None] = eng._append_tokens
+
+    def append(seq: Any, *args: Any, **kwargs: Any) -> None:
+        if seq.request_id == "r1" and seq.stats.num_steps >= 2:
+            raise Injected("r1")
+        real_append(seq, *args, **kwargs)
+
+    eng._append_tokens = append  # type: ignore[method-assign]
+    client = Client(eng, resume=True)
+    running: list[set[str]] = []
+    while eng.has_unfinished_requests():
+        client.step()
+        running.append({s.request_id for s in eng.scheduler.running})
+    assert client.lost == {"r1"} and client.failures == 3
+    assert client.finished == PROMPTS.keys() - {"r1"}
+    for rid in client.finished:
+        assert client.received[rid] == alone[tuple(PROMPTS[rid])], rid
+    assert {"r0", "r2"} not in running[: running.index({"r2", "r3"})]  # r0 ended alone
+    assert eng.scheduler.alone is None
+    _assert_zeroed(eng, idle_blocks)
+
+
+def test_a_session_turn_after_a_resumed_one_may_be_resumed(small_vocab_dir: Path, alone: Reference) -> None:
+    """A failed step of an earlier turn counts against no later one: each turn's first failure
+    is resumed."""
+    eng = _engine(small_vocab_dir, "adaptive", True)
+    eng.open_session("s")
+    client = Client(eng, resume=True)
+    for turn, prompt in enumerate(([1, 2, 3], [4, 0], [5, 5, 1])):
+        eng.add_request(f"t{turn}", prompt, GREEDY, session_id="s")
+        client.step()
+        _inject(eng, "mid_commit")
+        client.run()
+        assert client.failures == turn + 1 and not client.lost
+    eng.close_session("s")
+
+
 @pytest.mark.parametrize("policy", ["resume", "give_up"])
 @pytest.mark.parametrize("where", ["mid_commit", "after_finish"])
 @pytest.mark.parametrize("method", ["none", "adaptive"])
