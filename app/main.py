@@ -34,6 +34,7 @@ def engine_factory_from_settings(settings: Settings) -> EngineFactory:
             topk=settings.spec_topk,
             depth=settings.spec_depth,
             num_draft_tokens=settings.spec_num_draft_tokens,
+            chain_depths=settings.spec_chain_depths,
         )
         kv_bytes = settings.kv_memory_mb * 1024 * 1024 if settings.kv_memory_mb else None
         config = EngineConfig(

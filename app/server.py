@@ -31,6 +31,13 @@ from app.tenants import TenantConfigError, TenantRegistry
 log = logging.getLogger("mtpserve.server")
 
 
+def _depths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated depths, e.g. 4,6, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mtpserve serve", description=__doc__.split("\n")[0])
     add = p.add_argument
@@ -52,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--spec-topk", type=int)
     add("--spec-depth", type=int)
     add("--spec-num-draft-tokens", type=int)
+    add("--spec-chain-depths", type=_depths, help="adaptive: its chain arms' depths, e.g. 4,6")
     add("--max-waiting", type=int, help="waiting queue bound (429 beyond)")
     add("--max-body-bytes", type=int)
     add("--session-idle-timeout-s", type=float)

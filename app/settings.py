@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     spec_topk: int | None = Field(None, ge=1)
     spec_depth: int | None = Field(None, ge=1)
     spec_num_draft_tokens: int | None = Field(None, ge=1)
+    # SpecConfig.chain_depths (adaptive only): its chain arms' depths, e.g. MTPSERVE_SPEC_CHAIN_DEPTHS="[4,6]".
+    spec_chain_depths: tuple[int, ...] | None = None
 
     # Admission and limits.
     max_waiting: int = Field(256, ge=1)

@@ -8,6 +8,7 @@ folder's MTP weights (the published 61-layer layout), ``generate(use_mtp=True)``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine import SpecConfig
@@ -47,10 +48,12 @@ def _shape_spec(method: str, budget: str) -> SpecConfig:
 
 
 def build_modes(
-    modes: list[str], tree_budgets: list[int | str], adaptive_tree: str | None = None
+    modes: list[str], tree_budgets: list[int | str], adaptive_tree: str | None = None,
+    adaptive_chains: list[int] | None = None,
 ) -> list[ModeSpec]:
     """Mode specs in run order; ``ar`` first since every other mode is compared with it.
-    ``adaptive_tree`` (``TOPKxDEPTH-N``): the adaptive mode's tree arm instead of the default."""
+    ``adaptive_tree`` (``TOPKxDEPTH-N``): the adaptive mode's tree arm instead of the default;
+    ``adaptive_chains``: the depths of its chain arms (``SpecConfig.chain_depths``)."""
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {list(ALL_MODES)}")
@@ -63,6 +66,8 @@ def build_modes(
                 out.append(_tree_mode(b))
         elif mode == "adaptive":
             spec = _shape_spec("adaptive", adaptive_tree) if adaptive_tree else SpecConfig(method="adaptive")
+            if adaptive_chains:
+                spec = dataclasses.replace(spec, chain_depths=tuple(adaptive_chains))
             out.append(ModeSpec("adaptive", "adaptive", spec))
         elif mode in HF_MODES:
             out.append(ModeSpec(mode, mode))

@@ -49,7 +49,12 @@ from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
-from engine.spec.defaults import LIVE_STATS_MIN_STEPS, resolve_budget, sampled_tree_shape
+from engine.spec.defaults import (
+    LIVE_STATS_MIN_STEPS,
+    chain_budgets,
+    resolve_budget,
+    sampled_tree_shape,
+)
 from engine.spec.device_tree import race_draw, warm_race_draw
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_catch_up import GraphedCatchUp
@@ -181,8 +186,10 @@ class LLMEngine:
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
-        # Adaptive speculation's chain arm, ``CHAIN_DEPTH`` deep (engine/spec/defaults.py).
-        self._chain_budget = resolve_budget(SpecConfig(method="chain"), device.type, cfg.vocab_size)
+        # Adaptive speculation's chain arms (``SpecConfig.chain_depths``; one ``CHAIN_DEPTH``
+        # deep by default, engine/spec/defaults.py), the first also the host path's.
+        self._chain_budgets = chain_budgets(spec)
+        self._chain_budget = self._chain_budgets[0]
         if device.type == "cuda":
             with timer.stage("sampling_kernels"):  # the fused draws' programs, compiled now
                 warm_race_draw(device, cfg.vocab_size, torch.float32)  # the autoregressive rows' logits
@@ -206,8 +213,8 @@ class LLMEngine:
                         use_graphs=device.type == "cuda", draft_layers=self.draft_layers,
                     )  # fmt: skip
                 budgets = [self.budget]
-                if spec.method == "adaptive":  # a chain arm too, for large batches
-                    budgets.append(self._chain_budget)
+                if spec.method == "adaptive":  # chain arms too, for large batches
+                    budgets += [b for b in self._chain_budgets if b != self.budget]
                 for budget in budgets:
                     with timer.stage(f"tree_graphs:{budget_label(budget)}"):
                         self._graphed_runners += self._build_graphed(budget, max_blocks)
@@ -215,7 +222,7 @@ class LLMEngine:
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
-            self.adaptive = AdaptiveController(self, self.budget, self._chain_budget)
+            self.adaptive = AdaptiveController(self, self.budget, self._chain_budgets)
             # What a switch to drafting costs, before the first one is measured; and the
             # latency model the host path plans its tree with.
             with timer.stage("calibration"):
@@ -1261,11 +1268,11 @@ class LLMEngine:
         if sampled:
             results.record_acceptance(self.sampled_acceptance, width)
         if self.adaptive is not None and width > 1:
-            chain = self.adaptive.chain
-            if chain.depth <= runner.D:  # what the chain would have yielded on these prompts
-                self.adaptive.arms.observe_counterfactual_yield(
-                    len(seqs), sampled, chain, results.chain_tokens(chain.depth)
-                )
+            for chain in self.adaptive.chains:
+                if chain.depth <= runner.D:  # what the chain would have yielded on these prompts
+                    self.adaptive.arms.observe_counterfactual_yield(
+                        len(seqs), sampled, chain, results.chain_tokens(chain.depth)
+                    )
         self._step_tokens += sum(results.num_accepted) + len(seqs)
         for seq, tokens, accepted in zip(seqs, results.tokens, results.num_accepted, strict=True):
             seq.stats.record_step(drafted, accepted)

@@ -89,6 +89,9 @@ class SpecConfig:
     # Greedy trees stop deepening once the best path's draft probability is below this
     # (EAGLE-2's confidence cut); None = the device default (see engine.spec.defaults).
     min_path_prob: float | None = None
+    # ``adaptive`` only: the depths of the chain arms captured beside the tree, each a choice of
+    # the controller per batch bucket (None: one chain, ``CHAIN_DEPTH`` deep; engine.spec.defaults).
+    chain_depths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "chain", "tree", "adaptive"):
@@ -101,6 +104,15 @@ class SpecConfig:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.min_path_prob is not None and not (0.0 <= float(self.min_path_prob) < 1.0):
             raise ValueError(f"min_path_prob must be in [0, 1) or None, got {self.min_path_prob!r}")
+        if self.chain_depths is not None:
+            depths = self.chain_depths
+            if self.method != "adaptive":
+                raise ValueError(f"chain_depths is for method 'adaptive' (its chain arms), not {self.method!r}")
+            if (not isinstance(depths, tuple) or not depths
+                    or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in depths)):  # fmt: skip
+                raise ValueError(f"chain_depths must be a non-empty tuple of positive integers, got {depths!r}")
+            if len(set(depths)) != len(depths):
+                raise ValueError(f"chain_depths has a depth twice: {depths!r}")
 
 
 # Default prompt tokens per prefill step, by device type. On a GPU a small chunk turns admitting a

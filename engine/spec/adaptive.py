@@ -69,10 +69,15 @@ NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
 
 class AdaptiveController:
     def __init__(
-        self, engine: LLMEngine, max_budget: TreeBudget, chain: TreeBudget, explore_every: int = 16
+        self, engine: LLMEngine, max_budget: TreeBudget, chains: list[TreeBudget] | TreeBudget,
+        explore_every: int = 16,
     ) -> None:
         self.max_budget = max_budget
-        self.chain = chain
+        # The chain arms (``SpecConfig.chain_depths``); ``chain``, the first, is the host path's.
+        self.chains = [chains] if isinstance(chains, TreeBudget) else list(chains)
+        if not self.chains:
+            raise ValueError("adaptive speculation needs at least one chain arm")
+        self.chain = self.chains[0]
         # Calibrated at start-up for the host path (``calibrate_if_planning``); the graphed
         # path never plans, and on a GPU the calibration captures dozens of graphs.
         self.latency: LatencyModel | None = None
@@ -157,7 +162,7 @@ class AdaptiveController:
             self._predict_yields(engine, sampled, arms)
         else:  # host-driven path: the planner's tree is already the model's choice
             tree = self._planned_tree(engine)
-            arms = [self.chain] if tree == self.chain else [self.chain, tree]
+            arms = [*self.chains, *([] if tree in self.chains else [tree])]
         chosen = self.arms.choose(
             batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling, closed, filled_batch
         )

@@ -176,6 +176,11 @@ def derive_default_budget(
     return budget_from_plan(plan, min_path_prob)
 
 
+def chain_budgets(spec: SpecConfig) -> list[TreeBudget]:
+    """Adaptive speculation's chain arms: ``spec.chain_depths`` deep, or one of ``CHAIN_DEPTH``."""
+    return [TreeBudget(topk=1, depth=d, num_draft_tokens=d) for d in spec.chain_depths or (CHAIN_DEPTH,)]
+
+
 def resolve_budget(spec: SpecConfig, device_type: str, vocab_size: int) -> TreeBudget:
     """The static budget of ``spec`` (``adaptive`` starts from the tree default)."""
     if spec.method == "none":

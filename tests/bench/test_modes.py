@@ -35,3 +35,9 @@ def test_adaptive_tree_arm_takes_an_explicit_shape() -> None:
     assert (shaped.topk, shaped.depth, shaped.num_draft_tokens) == (4, 4, 32)
     with pytest.raises(ValueError, match="TOPKxDEPTH-N"):
         build_modes(["adaptive"], [], "4x4")
+
+
+def test_adaptive_chain_arms_are_passed_on() -> None:
+    default, chains = (build_modes(["adaptive"], [], None, c)[1].spec for c in (None, [4, 6]))
+    assert default is not None and default.chain_depths is None
+    assert chains is not None and chains.method == "adaptive" and chains.chain_depths == (4, 6)

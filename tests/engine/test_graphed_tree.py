@@ -570,3 +570,56 @@ def test_the_drafting_layer_drafts_the_layer_paths_trees(small_vocab_lora_dir: P
     for got, ref in zip(outs, want, strict=True):
         assert got.stats.accepted_per_position == ref.stats.accepted_per_position
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_adaptive_with_several_chain_arms_switches_among_them_exactly(tmp_path: Path, temperature: float) -> None:
+    """``SpecConfig.chain_depths`` captures a chain arm of each depth beside the tree; stepping through every arm in turn, switches
+    between the chains taking the batch over on the device, keeps the autoregressive tokens
+    (sampled requests run their full length), feeds each chain the yield it would have had in
+    the tree's steps (a sampled tree of 8 nodes drafts 5 deep: chain-6 learns nothing from it),
+    and leaves nothing behind."""
+    from engine.spec.adaptive import NO_SPEC
+    from engine.spec.drafter import TreeBudget
+    from tests.model_factory import build_checkpoint
+
+    torch.manual_seed(0)
+    folder = build_checkpoint(tmp_path / "m6", seed=4, vocab_size=6, num_nextn_predict_layers=6)
+    spec = SpecConfig(method="adaptive", topk=2, depth=6, num_draft_tokens=8, chain_depths=(4, 6, 2))
+    eng = LLMEngine.from_pretrained(folder, spec=spec, engine_config=STATIC)
+    assert eng.adaptive is not None
+    sampled = temperature > 0
+    tree, *chains = eng.graphed_budgets(sampled=sampled)
+    assert tree == eng.budget and [c.depth for c in chains] == [4, 6, 2]
+    assert all(c.topk == 1 and c.num_draft_tokens == c.depth for c in chains)
+    assert eng.adaptive.chains == chains and eng.adaptive.chain == chains[0]
+    order = [chains[0], chains[0], chains[1], chains[2], NO_SPEC, chains[1], tree, tree, chains[2], chains[0]]
+    picks = iter(order * 100)
+    eng.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
+    used: set[TreeBudget] = set()
+    for runner in eng._graphed_runners:
+        run = runner.run
+        runner.run = lambda seqs, *a, run=run, b=runner.budget: used.add(b) or run(seqs, *a)  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=30, temperature=temperature, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(PROMPTS)}
+    got = _serve(eng, requests)
+    assert used == {tree, *chains}
+    if not sampled:
+        base = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="none"))
+        assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in _serve(base, requests).items()}
+    assert [len(o.token_ids) for o in got.values()] == [30] * len(PROMPTS)
+    # The tree's steps told every chain no deeper than its drafts its yield on the same prompts.
+    tree_depth = next(r.D for r in eng._graphed_runners if r.budget == tree and r.serves(params))
+    for chain in [c for c in chains if c.depth <= tree_depth]:
+        seen = eng.adaptive.arms._yield[(sampled, chain)][1]
+        assert seen > eng.adaptive.arms._lifetime[(sampled, chain)][1], chain
+    assert eng.kv_blocks_used == len(eng.static_scratch_blocks)
+    assert torch.count_nonzero(eng.pool.kv_cache[:, eng.static_scratch_blocks]) == 0
+
+
+def test_chain_depths_are_checked() -> None:
+    for bad in [(), (0,), (4, 4), (2.5,), (True,), [4]]:
+        with pytest.raises(ValueError, match="chain_depths"):
+            SpecConfig(method="adaptive", chain_depths=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chain_depths is for method 'adaptive'"):
+        SpecConfig(method="tree", chain_depths=(4,))
