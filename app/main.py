@@ -35,7 +35,6 @@ def engine_factory_from_settings(settings: Settings) -> EngineFactory:
             depth=settings.spec_depth,
             num_draft_tokens=settings.spec_num_draft_tokens,
             chain_depths=settings.spec_chain_depths,
-            lazy_deep_modules=settings.spec_lazy_deep_modules,
         )
         kv_bytes = settings.kv_memory_mb * 1024 * 1024 if settings.kv_memory_mb else None
         config = EngineConfig(

@@ -60,8 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--spec-depth", type=int)
     add("--spec-num-draft-tokens", type=int)
     add("--spec-chain-depths", type=_depths, help="adaptive: its chain arms' depths, e.g. 4,6")
-    add("--spec-lazy-deep-modules", action="store_true", default=None,
-        help="graphed steps run only the MTP modules they draft with")
     add("--max-waiting", type=int, help="waiting queue bound (429 beyond)")
     add("--max-body-bytes", type=int)
     add("--session-idle-timeout-s", type=float)

@@ -44,8 +44,6 @@ class Settings(BaseSettings):
     spec_num_draft_tokens: int | None = Field(None, ge=1)
     # SpecConfig.chain_depths (adaptive only): its chain arms' depths, e.g. MTPSERVE_SPEC_CHAIN_DEPTHS="[4,6]".
     spec_chain_depths: tuple[int, ...] | None = None
-    # SpecConfig.lazy_deep_modules: graphed steps run only the MTP modules they draft with.
-    spec_lazy_deep_modules: bool = False
 
     # Admission and limits.
     max_waiting: int = Field(256, ge=1)

@@ -73,9 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="TOPKxDEPTH-N: the adaptive mode's tree arm (default: the device's default tree)")
     off.add_argument("--adaptive-chains", type=_ints, default=None,
                      help="depths of the adaptive mode's chain arms, e.g. 4,6 (default: one, CHAIN_DEPTH)")
-    off.add_argument("--lazy-deep-modules", action="store_true",
-                     help="speculative modes' graphed steps run only the MTP modules they draft with "
-                          "(SpecConfig.lazy_deep_modules)")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--min-sequences", type=int, default=0,
                      help="more rounds at small batches: each point decodes at least this many prompts")
@@ -142,7 +139,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
         prompt_tokens=args.prompt_tokens, num_prompts=args.num_prompts,
         prompt_offset=args.prompt_offset, adaptive_tree=args.adaptive_tree,
-        adaptive_chains=args.adaptive_chains, lazy_deep_modules=args.lazy_deep_modules, modes=args.modes,
+        adaptive_chains=args.adaptive_chains, modes=args.modes,
         tree_budgets=args.tree_budgets if args.tree_budgets is not None else ([8, 32, 64] if gpu else [4, 8]),
         repeats=args.repeats, min_sequences=args.min_sequences,
         warmup_tokens=args.warmup_tokens if args.warmup_tokens is not None else (0 if gpu else 8), check_batch=args.check_batch,

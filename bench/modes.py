@@ -49,12 +49,11 @@ def _shape_spec(method: str, budget: str) -> SpecConfig:
 
 def build_modes(
     modes: list[str], tree_budgets: list[int | str], adaptive_tree: str | None = None,
-    adaptive_chains: list[int] | None = None, lazy_deep_modules: bool = False,
+    adaptive_chains: list[int] | None = None,
 ) -> list[ModeSpec]:
     """Mode specs in run order; ``ar`` first since every other mode is compared with it.
     ``adaptive_tree`` (``TOPKxDEPTH-N``): the adaptive mode's tree arm instead of the default;
-    ``adaptive_chains``: the depths of its chain arms (``SpecConfig.chain_depths``);
-    ``lazy_deep_modules``: ``SpecConfig.lazy_deep_modules`` for every speculative mode."""
+    ``adaptive_chains``: the depths of its chain arms (``SpecConfig.chain_depths``)."""
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {list(ALL_MODES)}")
@@ -72,7 +71,4 @@ def build_modes(
             out.append(ModeSpec("adaptive", "adaptive", spec))
         elif mode in HF_MODES:
             out.append(ModeSpec(mode, mode))
-    if lazy_deep_modules:
-        out = [m if m.spec is None or m.spec.method == "none" else
-               dataclasses.replace(m, spec=dataclasses.replace(m.spec, lazy_deep_modules=True)) for m in out]  # fmt: skip
     return out

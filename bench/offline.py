@@ -55,7 +55,6 @@ class OfflineSettings:
     tree_budgets: list[int | str] = field(default_factory=list)
     adaptive_tree: str | None = None  # TOPKxDEPTH-N: the adaptive mode's tree arm (None: default)
     adaptive_chains: list[int] | None = None  # depths of the adaptive mode's chain arms (None: default)
-    lazy_deep_modules: bool = False  # SpecConfig.lazy_deep_modules for every speculative mode
     repeats: int = 3
     # Small batches run more rounds, so that every point decodes at least this many prompts (a
     # batch-1 point of 3 rounds measures 3 prompts' acceptance, a batch-16 point 48).
@@ -226,7 +225,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
                                    s.num_prompts or max(max_batch, s.min_sequences), s.prompt_tokens,
                                    skip=s.prompt_offset)
-    modes = build_modes(s.modes, s.tree_budgets, s.adaptive_tree, s.adaptive_chains, s.lazy_deep_modules)
+    modes = build_modes(s.modes, s.tree_budgets, s.adaptive_tree, s.adaptive_chains)
     contenders, skipped = build_contenders(s.model, base, modes, parse_dtype(s.dtype))
     # Progress in the log, so that a run cut off by its time limit shows which stage it was in.
     for c in contenders:

@@ -201,8 +201,7 @@ def render(doc: dict[str, Any], plots: list[Path]) -> str:
                 + (f"; prompts prefilled {s['prefill_chunk_tokens']} tokens per step"
                    if s.get("prefill_chunk_tokens") else "")
                 + (f"; adaptive's tree arm {s['adaptive_tree']}" if s.get("adaptive_tree") else "")
-                + (f"; adaptive's chain arms {s['adaptive_chains']}" if s.get("adaptive_chains") else "")
-                + ("; lazy deep modules" if s.get("lazy_deep_modules") else ""),
+                + (f"; adaptive's chain arms {s['adaptive_chains']}" if s.get("adaptive_chains") else ""),
                 f"- speedup vs ar is paired per round; tokens/s counts prefill; TPOT is per sequence "
                 f"after its first token; wall time {doc.get('wall_s')} s",
                 ""]

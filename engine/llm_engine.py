@@ -49,7 +49,6 @@ from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
-from engine.spec.deep_row_log import DeepRowLog
 from engine.spec.defaults import (
     LIVE_STATS_MIN_STEPS,
     chain_budgets,
@@ -168,9 +167,6 @@ class LLMEngine:
         self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if drafts else None
         # Autoregressive steps' hidden rows, handed to the sequences when something reads them.
         self._hidden_log = HiddenLog()
-        # The inputs of the MTP modules graphed steps skip (``SpecConfig.lazy_deep_modules``),
-        # handed to the sequences when something reads those modules (``engine.spec.deep_row_log``).
-        self._deep_log = DeepRowLog()
         self.acceptance = AcceptanceCounter()
         self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
         self.last_timings = StepTimings()
@@ -290,19 +286,13 @@ class LLMEngine:
         use_graphs = self.device.type == "cuda"
         max_batch = self.config.max_batch_size
         drafts = self.draft_layers
-        k, lazy = cfg.num_mtp_modules, self.spec.lazy_deep_modules
-        # Without reuse of the last module, no draft is deeper than the modules.
-        depth = budget.depth if reuse else min(budget.depth, k)
-        # With lazy deep modules a step runs only the modules it drafts with.
         greedy = GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch, use_graphs=use_graphs,
-                                   reuse_last_module=reuse, draft_layers=drafts,
-                                   modules=depth if lazy and depth < k else None, deep_log=self._deep_log)  # fmt: skip
+                                   reuse_last_module=reuse, draft_layers=drafts)  # fmt: skip
+        # Without reuse of the last module, no draft is deeper than the modules.
+        depth = budget.depth if reuse else min(budget.depth, cfg.num_mtp_modules)
         shape = sampled_tree_shape(dataclasses.replace(budget, depth=depth), None)
-        sampled_depth = shape.max_depth
         sampled = GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch, use_graphs=use_graphs,
-                                     reuse_last_module=reuse, draft_layers=drafts,
-                                     modules=sampled_depth if lazy and sampled_depth < k else None,
-                                     deep_log=self._deep_log)  # fmt: skip
+                                     reuse_last_module=reuse, draft_layers=drafts)  # fmt: skip
         return [greedy, sampled]
 
     def graphed_budgets(self, sampled: bool) -> list[TreeBudget]:
@@ -612,11 +602,9 @@ class LLMEngine:
         finally:
             self._stepping = False
             self._free_released()
-            if (self._hidden_log or self._deep_log) and not (
-                    self._sessions or self.scheduler.num_running or self.scheduler.num_waiting):  # fmt: skip
+            if self._hidden_log and not (self._sessions or self.scheduler.num_running or self.scheduler.num_waiting):
                 # Idle, no session open: every logged row is a finished request's (``HiddenLog.clear``).
                 self._hidden_log.clear()
-                self._deep_log.clear()
 
     def _step(self) -> list[RequestOutput]:
         self._steps_since_arrival += 1
@@ -635,8 +623,6 @@ class LLMEngine:
             # H200's host).
             if any(self._hidden_log.holds(seq) for seq, _ in plan.prefill):
                 self._hidden_log.flush()
-            if self._deep_log and any(self._deep_log.holds(seq) for seq, _ in plan.prefill):
-                self._deep_log.flush()
             self._prefill(plan.prefill, outputs)
         else:
             self._fill_asked, self._fill_catch_up = False, None  # a step without a prefill ends a fill
@@ -728,7 +714,6 @@ class LLMEngine:
         # The other sequences' logged rows (an idle session's, a running one's that a suspect's
         # step paused) go to their MTP queues: their steps before this one are intact.
         self._hidden_log.flush()
-        self._deep_log.flush()
         for seq in batch:
             seq.status = SeqStatus.WAITING  # parked: neither scheduled nor idle
             self._parked[seq.request_id] = seq
@@ -1042,8 +1027,8 @@ class LLMEngine:
                     seq for seq, _ in finishing
                     if seq.status is SeqStatus.RUNNING and any(r.serves(seq.sampling) for r in runners)
                 ]  # fmt: skip
-                if ready:  # the modules the arm's steps run (``SpecConfig.lazy_deep_modules``)
-                    self.drafter.catch_up(ready, max(r.k for r in runners))
+                if ready:
+                    self.drafter.catch_up(ready)
 
     def _filled_batch_drafts(self) -> TreeBudget | None:
         """The drafting arm the batch being filled (the running sequences and those waiting,
@@ -1148,7 +1133,6 @@ class LLMEngine:
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
     ) -> None:
         assert self.drafter is not None
-        self._deep_log.flush()  # the host path drafts and catches up from every module's queue
         steady = steady_catch_up_rows(budget.depth)
         lagging = [s for s in seqs if len(s.tokens) - 1 - s.mtp_committed[0] > steady]
         if lagging:
@@ -1230,14 +1214,13 @@ class LLMEngine:
             runners.insert(0, last)
         return runners
 
-    def _catch_up_alone(self, lagging: list[Sequence], modules: int | None = None) -> None:
-        """Catch the MTP modules of ``lagging`` (the first ``modules``, if given) up before this
-        step drafts, timed alone for adaptive speculation (``_catch_up_s``: what a switch costs;
-        the rest of the step is a steady one)."""
+    def _catch_up_alone(self, lagging: list[Sequence]) -> None:
+        """Catch the MTP modules of ``lagging`` up before this step drafts, timed alone for
+        adaptive speculation (``_catch_up_s``: what a switch costs; the rest of the step is a
+        steady one)."""
         assert self.drafter is not None
         start = time.perf_counter()
-        self._deep_log.flush()  # the skipped modules' inputs come before what the catch-up adds
-        self.drafter.catch_up(lagging, modules)
+        self.drafter.catch_up(lagging)
         if self.adaptive is not None:
             self.wait_for_device()
             self._catch_up_s = (self._catch_up_s or 0.0) + time.perf_counter() - start
@@ -1247,8 +1230,6 @@ class LLMEngine:
         self, fast: GraphedTreeStep, seqs: list[Sequence]
     ) -> tuple[list[Sequence], list[Sequence]]:
         """(sequences ``fast`` takes this step, the others)."""
-        if self._deep_log and not fast.skips:  # it reads and moves every module
-            self._deep_log.flush()
         if fast.continues(seqs):  # its last step's batch, untouched: no per-sequence checks
             return seqs, []
         # Sequences of its last step untouched since need no check either (``eligible`` would
@@ -1264,7 +1245,7 @@ class LLMEngine:
         if lagging and self.drafter is not None:
             # MTP modules behind (autoregressive steps in between, a host step that stopped
             # early): catch them up eagerly, then the graphed step can take these sequences.
-            self._catch_up_alone(lagging, fast.k)
+            self._catch_up_alone(lagging)
             ready = [ok or fast.eligible(s) for s, ok in zip(seqs, ready, strict=True)]
         graphed = [s for s, ok in zip(seqs, ready, strict=True) if ok][: fast.max_batch]
         chosen = {id(s) for s in graphed}

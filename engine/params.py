@@ -92,10 +92,6 @@ class SpecConfig:
     # ``adaptive`` only: the depths of the chain arms captured beside the tree, each a choice of
     # the controller per batch bucket (None: one chain, ``CHAIN_DEPTH`` deep; engine.spec.defaults).
     chain_depths: tuple[int, ...] | None = None
-    # Graphed steps that draft fewer depths than the model has MTP modules run only the modules
-    # they draft with; the deeper ones catch up when an arm drafting with them runs next
-    # (engine.spec.deep_row_log). Off by default until timed on a GPU.
-    lazy_deep_modules: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("none", "chain", "tree", "adaptive"):

@@ -30,11 +30,8 @@ MAX_HIDDEN_TAIL = 256  # appended row groups kept apart before they are concaten
 class DeferredHidden(Protocol):
     """Where a sequence's pending MTP rows stay until read (a graphed step's outputs)."""
 
-    depths: int  # the depths ``hidden_of`` returns
-
     def hidden_of(self, index: int) -> list[torch.Tensor]:
-        """Sequence ``index``'s pending rows per depth 0..d-1 (``pending_hidden``'s first ``d``
-        entries: a step that ran only the first ``d`` modules leaves the deeper ones as they were)."""
+        """Sequence ``index``'s pending rows per depth 0..k-1 (``pending_hidden``'s entries)."""
         ...
 
 
@@ -130,9 +127,8 @@ class Sequence:
         if self.deferred is not None:
             source, index = self.deferred
             self.deferred = None
-            rows = source.hidden_of(index)  # the whole queue of each depth it covers
-            self.pending_hidden[: len(rows)] = rows
-            for tail in self._hidden_tail[: len(rows)]:
+            self.pending_hidden[:] = source.hidden_of(index)  # the whole queue of every depth
+            for tail in self._hidden_tail:
                 tail.clear()
 
     def push_hidden(self, depth: int, start: int, rows: torch.Tensor) -> None:

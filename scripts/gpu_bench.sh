@@ -59,7 +59,6 @@
 # NUM_PROMPTS, PROMPT_OFFSET (held-out prompts of the sweep and how many are skipped first: 256
 # runs on prompts no default sweep uses), ADAPTIVE_TREE (TOPKxDEPTH-N: the adaptive mode's tree
 # arm instead of the default tree), ADAPTIVE_CHAINS (depths of its chain arms, e.g. 4,6),
-# LAZY_DEEP_MODULES (set: graphed steps run only the MTP modules they draft with),
 # TREE_STATS (set: before the sweep, scripts/default_tree_inputs.py gpu-stats measures the trained
 # model's greedy acceptance per depth and rank with a full top-4, depth-8 tree on 32 held-out
 # prompts the sweep does not use, into RESULTS_DIR/h200-gpu-greedy-stats.json: the input of
@@ -137,7 +136,6 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     --tree-budgets "${TREE_BUDGETS:-32}" --repeats "${REPEATS:-3}" \
     ${NUM_PROMPTS:+--num-prompts "$NUM_PROMPTS"} --prompt-offset "${PROMPT_OFFSET:-0}" \
     ${ADAPTIVE_TREE:+--adaptive-tree "$ADAPTIVE_TREE"} ${ADAPTIVE_CHAINS:+--adaptive-chains "$ADAPTIVE_CHAINS"} \
-    ${LAZY_DEEP_MODULES:+--lazy-deep-modules} \
     --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
     --spin-ms "${SPIN_MS:-50}" --overlap-steps "${OVERLAP_STEPS:-auto}" \
     --launch-after-prefill "${LAUNCH_AFTER_PREFILL:-on}" \

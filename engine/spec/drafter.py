@@ -196,9 +196,9 @@ class MTPDrafter:
                 break
         return [self._finish_tree(d, budget) for d in drafts]
 
-    def catch_up(self, seqs: list[Sequence], modules: int | None = None) -> None:
-        """Catch every module (the first ``modules`` only, if given) up to all but its newest
-        committed row (after a prefill, or after autoregressive steps).
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Catch every module up to all but its newest committed row (after a prefill, or after
+        autoregressive steps).
 
         That leaves each sequence in the state a speculative step leaves behind (one row to go
         per module), so its next decode step can take the graphed path
@@ -208,9 +208,8 @@ class MTPDrafter:
         without, one eager forward per module.
         """
         static = self.static_catch_up
-        last = self.num_modules if modules is None else min(modules, self.num_modules)
         if static is None:
-            for depth in range(1, last + 1):
+            for depth in range(1, self.num_modules + 1):
                 specs = [(seq, self._catch_up_rows(seq, depth, keep=1)) for seq in seqs]
                 ready = [(seq, spec) for seq, spec in specs if spec is not None]
                 if ready:
@@ -218,9 +217,8 @@ class MTPDrafter:
                                      [spec[1] for _, spec in ready], [spec[2] for _, spec in ready],
                                      [[] for _ in ready])  # fmt: skip
             return
-        if last == self.num_modules:  # the fused replays run every module
-            seqs = static.catch_up(seqs)  # the sequences they do not cover
-        for depth in range(1, last + 1):
+        seqs = static.catch_up(seqs)  # the sequences its fused replays do not cover
+        for depth in range(1, self.num_modules + 1):
             while seqs:  # passes of at most ``max_rows`` rows per sequence
                 pending = [(seq, self._pending_rows(seq, depth, 1, static.max_rows)) for seq in seqs]
                 work = [(seq, start, prev) for seq, (start, prev) in pending if prev is not None]

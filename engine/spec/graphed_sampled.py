@@ -39,7 +39,6 @@ from engine.model.draft_layer import DraftLayer
 from engine.params import SamplingParams
 from engine.sequence import Sequence
 from engine.simulator.tree_shape import TreeShape
-from engine.spec.deep_row_log import DeepRowLog
 from engine.spec.device_tree import (
     AcceptedPath,
     StaticTree,
@@ -66,8 +65,6 @@ class GraphedSampledTree(GraphedTreeStep):
         reuse_last_module: bool = True,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         draft_layers: dict[int, DraftLayer] | None = None,
-        modules: int | None = None,
-        deep_log: DeepRowLog | None = None,
     ) -> None:
         k = model.config.num_mtp_modules
         if k < 1 or shape.budget < 1:
@@ -81,7 +78,7 @@ class GraphedSampledTree(GraphedTreeStep):
         fronts = [[i for i in range(shape.num_nodes) if depths[i] == m - 1 and kids[i]]
                   for m in range(1, D + 1)]  # fmt: skip
         super().__init__(model, pool, budget, max_blocks, max_batch, use_graphs, D, shape.budget,
-                         [0] + [len(f) for f in fronts[1:]], buckets, draft_layers, modules, deep_log)  # fmt: skip
+                         [0] + [len(f) for f in fronts[1:]], buckets, draft_layers)  # fmt: skip
         self.shape = shape
         dev = self.device
         self.draws = [max(len(kids[i]) for i in f) for f in fronts]  # [m - 1] children drawn per row

@@ -52,7 +52,6 @@ from engine.model.draft_layer import DraftLayer, forward_mtp_fused
 from engine.params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.acceptance_stats import AcceptanceCounter
-from engine.spec.deep_row_log import DeepRowLog
 from engine.spec.device_tree import (
     AcceptedPath,
     accept_greedy,
@@ -203,7 +202,6 @@ class _SteadyRows:
     committed: list[int]
     fits: bool
     variant: bool
-    depths: int  # the depths ``hidden_of`` covers: the modules the step ran
     refs: list[tuple[_SteadyRows, int]] = field(default_factory=list)
     checked: list[Sequence] | None = None  # the batch ``holds`` last confirmed
     _index: dict[int, int] | None = None  # id(sequence) -> its row (``rows_of``)
@@ -253,8 +251,7 @@ class _SteadyRows:
 class _Launch:
     """A step queued on the device and not yet read: its bucket, its batch in row order, each
     row's catch-up count ``c``, the host copy of its packed outputs and the event that copy
-    records, copies of its next-step MTP rows (and, where the step skips the deeper modules,
-    of the last module's catch-up outputs), its rollback timing and program variant."""
+    records, copies of its next-step MTP rows, its rollback timing and program variant."""
 
     buf: _Buffers
     seqs: list[Sequence]
@@ -265,7 +262,6 @@ class _Launch:
     next_carry: Tensor  # [n, k - 1, H]
     timing: tuple[object, ...]
     variant: bool
-    deep_rows: Tensor | None = None  # [n, C, H] module k's catch-up outputs (``deep_log``)
 
 
 class _Buffers:
@@ -297,9 +293,6 @@ class _Buffers:
         self.next_host = 0
         self.next_rows = torch.zeros(bucket, P, H, dtype=g.dtype, device=dev)
         self.next_carry = torch.zeros_like(self.carry)
-        # A step that skips the deeper modules: module k's catch-up outputs [B, C, H], the first
-        # ``c`` of each row its committed rows' (module k + 1's inputs, ``GraphedTreeStep.deep_log``).
-        self.deep_rows = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev) if g.skips else None
         # The rollback's inputs: each tree's slots, its accepted path and which depths it kept.
         self.tree_slots = torch.zeros(bucket, g.N + 1, dtype=torch.long, device=dev)
         self.path = torch.zeros(bucket, P, dtype=torch.long, device=dev)
@@ -364,23 +357,10 @@ class GraphedTreeStep:
         frontier_rows: list[int],  # [m - 1] frontier rows of MTP forward m (0 at m = 1)
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         draft_layers: dict[int, DraftLayer] | None = None,  # the MTP modules' (``draft_layers``)
-        modules: int | None = None,  # the modules its steps run (None: all); see ``deep_log``
-        deep_log: DeepRowLog | None = None,
     ) -> None:
         cfg = model.config
         self.model, self.pool = model, pool
-        # The MTP modules the step runs. Fewer than the model's (a step drafting fewer depths:
-        # ``SpecConfig.lazy_deep_modules``) leaves the deeper ones behind: module k + 1's inputs,
-        # module k's outputs over each step's committed rows, go to ``deep_log``, handed to the
-        # sequences when something reads their deeper modules (``engine.spec.deep_row_log``).
-        self.k = cfg.num_mtp_modules if modules is None else modules
-        if not 1 <= self.k <= cfg.num_mtp_modules or self.k < min(depth, cfg.num_mtp_modules):
-            raise ValueError(f"a step drafting {depth} deep runs 1 to {cfg.num_mtp_modules} modules, "
-                             f"at least {min(depth, cfg.num_mtp_modules)}; got {self.k}")  # fmt: skip
-        self.skips = self.k < cfg.num_mtp_modules
-        if self.skips and deep_log is None:
-            raise ValueError("a step that skips the deeper MTP modules needs a deep_log for their inputs")
-        self.deep_log = deep_log
+        self.k = cfg.num_mtp_modules
         self.D, self.N = depth, num_nodes
         self.C = steady_catch_up_rows(self.D)
         self.budget = budget
@@ -534,8 +514,7 @@ class GraphedTreeStep:
         closed batches switch as they shrink, ~5 ms a round at batches 64-256.)"""
         src = other._last_buf
         steady = None if src is None else src.steady
-        if (steady is None or type(other) is not type(self) or other is self or other._ahead is not None
-                or other.k < self.k):  # its sequences' modules past its own are behind  # fmt: skip
+        if steady is None or type(other) is not type(self) or other is self or other._ahead is not None:
             return None
         room = self.capacity_needed_past_committed
         rows = [
@@ -651,7 +630,6 @@ class GraphedTreeStep:
         n = len(seqs)
         next_rows = buf.next_rows[:n].clone()  # [n, P, H]
         next_carry = buf.next_carry[:n].clone()  # [n, k-1, H]
-        deep_rows = None if buf.deep_rows is None else buf.deep_rows[:n].clone()  # [n, C, H]
         host, copied = buf.packed_hosts[buf.next_host], buf.copy_events[buf.next_host]
         buf.next_host ^= 1
         host.copy_(buf.packed, non_blocking=copied is not None)
@@ -662,8 +640,7 @@ class GraphedTreeStep:
             buf.advance_graph.replay()
         else:
             self._advance(buf)
-        return _Launch(buf, list(seqs), catch_up, host, copied, next_rows, next_carry, timing, self.variant,
-                       deep_rows)  # fmt: skip
+        return _Launch(buf, list(seqs), catch_up, host, copied, next_rows, next_carry, timing, self.variant)
 
     def _load_inputs(self, buf: _Buffers, seqs: list[Sequence]) -> list[int]:
         """Copy the batch into the bucket's static inputs; returns each sequence's ``c``.
@@ -707,8 +684,6 @@ class GraphedTreeStep:
         index_from = to_device(int_tensor(rows), self.device)
         for name in ("tables", "L", "c", "tail", "rows0", "carry"):
             s, d = getattr(src, name), getattr(dst, name)
-            if name == "carry" and s.shape[1] > d.shape[1]:  # ``src`` ran more modules
-                s = s[:, : d.shape[1]]
             if name in ("tail", "rows0") and s.shape[1] != d.shape[1]:
                 width = min(s.shape[1], d.shape[1])
                 if d.shape[1] > width:
@@ -815,37 +790,24 @@ class GraphedTreeStep:
         num_accepted = [row[0] for row in packed]
         committed_now = [-1] * n  # rows of stopped sequences match nothing (``rows_of``)
         steady = _SteadyRows(tuple(seqs), launch.next_rows, launch.next_carry, num_accepted, committed_now,
-                             False, launch.variant, k)  # fmt: skip
+                             False, launch.variant)  # fmt: skip
         refs = steady.refs = [(steady, i) for i in range(n)]
         tokens: list[list[int]] = []
         room = 1 << 62  # the fewest free slots past a sequence's committed entries
         bs = self.block_size
         offsets = range(k)
-        skips = self.skips
-        deep_starts: list[int] = []  # module k's committed entries before the step: its rows' first index
         for i in rows:
             s, row, a = seqs[i], packed[i], num_accepted[i]
             tokens.append([*row[3 : 3 + a], row[1]])  # path tokens below the root, the bonus
             L = s.num_committed
-            if skips:
-                prev = s.deferred
-                if prev is not None and prev[0].depths > k:
-                    s._undefer()  # the deeper depths' rows another step deferred: ours cover fewer
-                deep_starts.append(s.mtp_committed[k - 1])
-            s.mtp_committed[:k] = [m + c[i] for m in s.mtp_committed[:k]]
-            s.pending_start[:k] = [L - d for d in offsets]
+            s.mtp_committed = [m + c[i] for m in s.mtp_committed]
+            s.pending_start = [L - d for d in offsets]
             s.deferred = refs[i]
             s.num_committed = L + a + 1
             committed_now[i] = L + a + 1
             room = min(room, len(s.block_ids) * bs - L - a - 1)
         steady.fits = room >= self.capacity_needed_past_committed
         buf.steady = steady
-        if skips and rows:
-            assert self.deep_log is not None and launch.deep_rows is not None
-            deep = launch.deep_rows
-            if len(rows) < n:
-                deep = deep.index_select(0, to_device(int_tensor(rows), deep.device))
-            self.deep_log.append(k, [seqs[i] for i in rows], deep, [c[i] for i in rows], deep_starts)
         if len(rows) < n:
             packed_array = packed_array[rows]
         return StepResults(tokens, [num_accepted[i] for i in rows], packed_array[:, 3 + D : 4 + 2 * D].copy(),
@@ -987,8 +949,6 @@ class GraphedTreeStep:
                 catch_prev = [buf.carry[:, m - 1 : m], out[:, : C - 1]]
             elif m == 1:  # a single module: its last catch-up row is the root's
                 last_row = out[:, :C].gather(1, last)  # [B, 1, H]
-            if plan.catch_up and m == k and buf.deep_rows is not None:  # module k + 1's inputs
-                buf.deep_rows.copy_(out[:, :C])
             if m <= D:  # the root's row at depth 1, the frontier rows deeper
                 front = last_row if m == 1 else out[:, C * plan.catch_up :]  # [B, F, H]
                 front_tok, front_prev = self._grow(m, front, buf)
@@ -1106,8 +1066,6 @@ class GraphedGreedyTree(GraphedTreeStep):
         reuse_last_module: bool = True,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         draft_layers: dict[int, DraftLayer] | None = None,
-        modules: int | None = None,
-        deep_log: DeepRowLog | None = None,
     ) -> None:
         cfg = model.config
         if cfg.num_mtp_modules < 1 or not budget.speculates:
@@ -1118,7 +1076,7 @@ class GraphedGreedyTree(GraphedTreeStep):
         if N < D:
             raise ValueError("num_draft_tokens must be at least the depth for the graphed tree")
         super().__init__(model, pool, budget, max_blocks, max_batch, use_graphs, D, N,
-                         [0] + [K] * (D - 1), buckets, draft_layers, modules, deep_log)  # fmt: skip
+                         [0] + [K] * (D - 1), buckets, draft_layers)  # fmt: skip
         self.K = K
         # Candidate depth of each candidate index (depth-major creation order).
         depths = [1] * K + [m for m in range(2, D + 1) for _ in range(K * K)]

@@ -41,5 +41,3 @@ def test_adaptive_chain_arms_are_passed_on() -> None:
     default, chains = (build_modes(["adaptive"], [], None, c)[1].spec for c in (None, [4, 6]))
     assert default is not None and default.chain_depths is None
     assert chains is not None and chains.method == "adaptive" and chains.chain_depths == (4, 6)
-    lazy = build_modes(["chain", "tree", "adaptive"], [0], None, None, True)
-    assert [m.spec.lazy_deep_modules for m in lazy if m.spec is not None] == [False, True, True, True]

@@ -27,9 +27,3 @@ def small_vocab_lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Dense, with a query LoRA: the layout the drafting layer (engine/model/draft_layer.py) takes.
     return build_checkpoint(tmp_path_factory.mktemp("v6lora"), seed=2, vocab_size=6,
                             num_nextn_predict_layers=3, q_lora_rank=16)
-
-
-@pytest.fixture(scope="session")
-def six_module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Six MTP modules, as the ``gpu`` preset: more than adaptive speculation's chain drafts with."""
-    return build_checkpoint(tmp_path_factory.mktemp("v6m6"), seed=4, vocab_size=6, num_nextn_predict_layers=6)

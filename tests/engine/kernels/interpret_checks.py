@@ -187,7 +187,6 @@ def run_all() -> dict[str, dict]:
         "step_io/write_outputs": lambda: check_write_outputs("cpu"),
         "step_io/mtp_input_parts": lambda: check_mtp_input_parts("cpu"),
         "step_io/engine_greedy": lambda: check_engine_greedy("cpu"),
-        "step_io/engine_greedy_lazy": lambda: check_engine_greedy("cpu", lazy=True),
     }
     for name, job in jobs.items():
         try:

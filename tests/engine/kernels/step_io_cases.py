@@ -143,13 +143,11 @@ def check_write_outputs(device: str) -> tuple[float, float]:
     return float(bad), 0.0
 
 
-def check_engine_greedy(device: str, lazy: bool = False) -> tuple[float, float]:
+def check_engine_greedy(device: str) -> tuple[float, float]:
     """The graphed tree step with the fused bookkeeping and MTP-input kernels in it (on CPU run
     by the Triton interpreter, where the step's other kernels keep their torch path) against the
     same step without them (``GraphedTreeStep.FUSED_IO``): on the demo model, greedy, float32,
-    over batches of 3 (padded to the bucket of 4) and 1. ``lazy``: adaptive speculation instead,
-    switching between its tree and a chain 2 deep that runs modules 1-2 of the four
-    (``SpecConfig.lazy_deep_modules``). Returns 1.0 when a token differs from
+    over batches of 3 (padded to the bucket of 4) and 1. Returns 1.0 when a token differs from
     autoregressive decoding, 2.0 when the two steps' acceptance counts differ (drafts are
     verified, so a wrong draft changes only those), 3.0 when the graphed step did not carry the
     decode, 4.0 when padding rows left entries in the scratch blocks; else 0.0."""
@@ -160,9 +158,8 @@ def check_engine_greedy(device: str, lazy: bool = False) -> tuple[float, float]:
     from train.heldout import heldout_prompts
 
     folder = str(Path(__file__).resolve().parents[3] / "models" / "demo")
-    config = EngineConfig(cuda_graphs=True, max_batch_size=4, calibrate_arms=False)
-    tree = (SpecConfig(method="adaptive", min_path_prob=0.0, chain_depths=(2,), lazy_deep_modules=True) if lazy
-            else SpecConfig(method="tree", min_path_prob=0.0))  # fmt: skip
+    config = EngineConfig(cuda_graphs=True, max_batch_size=4)
+    tree = SpecConfig(method="tree", min_path_prob=0.0)
     ar = LLMEngine.from_pretrained(folder, device=device, spec=SpecConfig(method="none"), engine_config=config)
     GraphedTreeStep.FUSED_IO = False
     try:
@@ -171,17 +168,11 @@ def check_engine_greedy(device: str, lazy: bool = False) -> tuple[float, float]:
         fused = LLMEngine.from_pretrained(folder, device=device, spec=tree, engine_config=config)
     finally:
         GraphedTreeStep.FUSED_IO = None
+    runner = fused.graphed_tree
+    assert runner is not None and runner.fused_io
     steps: list[int] = []
-    for eng in (unfused, fused):
-        if lazy:  # tree, chain, chain, ... in turn (the same choices for both engines)
-            tree_arm, chain = eng.graphed_budgets(sampled=False)
-            picks = iter([chain, chain, tree_arm, chain] * 100)
-            eng.adaptive.choose = lambda *a, picks=picks, **k: next(picks)  # type: ignore[union-attr, method-assign]
-            assert any(r.skips for r in eng._graphed_runners)
-    for runner in fused._graphed_runners[::2]:  # the greedy steps
-        assert runner.fused_io
-        run = runner.run
-        runner.run = lambda seqs, *a, run=run: steps.append(len(seqs)) or run(seqs, *a)  # type: ignore[method-assign]
+    run = runner.run
+    runner.run = lambda seqs, *a: steps.append(len(seqs)) or run(seqs, *a)  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = heldout_prompts(folder, fused.tokenizer, 4, 32)  # type: ignore[arg-type]
     for batch in (prompts[:3], prompts[3:]):

@@ -28,7 +28,7 @@ CASE_NAMES = [f"attention/{k}" for k in ATTENTION_CASES] + [
     "accept/greedy_random_trees", "accept/logprob_topk", "accept/race_draw", "accept/sampled_random_trees",
     "tree/grow_frontier", "tree/select", "tree/mtp_rows", "tree/commit_kv",
 ] + [f"draft_layer/{k}" for k in ("rope_fp32", "rope_fp16", "scaled_silu_mul_fp32", "fp32_fused")] + [f"step_io/{k}" for k in ("step_start", "verify_inputs", "zero_cache_rows", "advance", "write_outputs",
-                              "mtp_input_parts", "engine_greedy", "engine_greedy_lazy")]  # fmt: skip
+                              "mtp_input_parts", "engine_greedy")]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
