@@ -27,6 +27,13 @@ ACCEPTED_BUCKETS = tuple(float(n) for n in range(0, 17))
 PRECREATED_POSITIONS = 8
 
 
+def _with_series(counter: Counter, label: str, values: Sequence[str]) -> Counter:
+    """``counter`` with a series for each label value created now, exported at 0 from the start."""
+    for value in values:
+        counter.labels(**{label: value})
+    return counter
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -64,15 +71,12 @@ class Metrics:
         self.accepted_tokens = Counter(
             p + "spec_accepted_tokens", "Draft tokens accepted.", registry=r
         )
-        self.accepted_per_position = Counter(
+        # Depths nothing has reached yet show 0 on the dashboards, not "no data".
+        self.accepted_per_position = _with_series(Counter(
             p + "spec_accepted_tokens_per_position",
             "Verify steps whose accepted path reached this draft position (0-based).",
             ["position"], registry=r,
-        )  # fmt: skip
-        # Create the per-position series up front so dashboards show 0, not "no data", for
-        # depths nothing has reached yet.
-        for position in range(PRECREATED_POSITIONS):
-            self.accepted_per_position.labels(position=str(position))
+        ), "position", [str(i) for i in range(PRECREATED_POSITIONS)])  # fmt: skip
         self.decode_steps = Counter(
             p + "decode_steps",
             "Engine decode steps by draft budget (none, chain-D, tree-KxD-N): what adaptive "
@@ -94,13 +98,11 @@ class Metrics:
         self.step_failures = Counter(
             p + "engine_step_failures", "Engine steps that raised (engine/step_failure.py).", registry=r
         )
-        self.step_failure_requests = Counter(
+        self.step_failure_requests = _with_series(Counter(
             p + "engine_step_failure_requests",
             "Requests of a failed engine step, by outcome: resumed, or lost (failed).",
             ["outcome"], registry=r,
-        )  # fmt: skip
-        for outcome in ("resumed", "lost"):  # 0, not "no data", until a step fails
-            self.step_failure_requests.labels(outcome=outcome)
+        ), "outcome", ["resumed", "lost"])  # fmt: skip  (0, not "no data", until a step fails)
         self.running = Gauge(p + "requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests waiting to run.", registry=r)
         self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use.", registry=r)

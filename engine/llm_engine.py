@@ -187,9 +187,8 @@ class LLMEngine:
         if use_static is None:
             use_static = device.type == "cuda"
         # Adaptive speculation's chain arms (``SpecConfig.chain_depths``; one ``CHAIN_DEPTH``
-        # deep by default, engine/spec/defaults.py), the first also the host path's.
+        # deep by default, engine/spec/defaults.py).
         self._chain_budgets = chain_budgets(spec)
-        self._chain_budget = self._chain_budgets[0]
         if device.type == "cuda":
             with timer.stage("sampling_kernels"):  # the fused draws' programs, compiled now
                 warm_race_draw(device, cfg.vocab_size, torch.float32)  # the autoregressive rows' logits

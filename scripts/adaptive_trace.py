@@ -58,9 +58,9 @@ def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
     if drafter is not None:
         catch_up = drafter.catch_up
 
-        def catch_up_traced(seqs, *args):  # type: ignore[no-untyped-def]
+        def catch_up_traced(seqs):  # type: ignore[no-untyped-def]
             caught_up.append(len(seqs))
-            return catch_up(seqs, *args)
+            return catch_up(seqs)
 
         drafter.catch_up = catch_up_traced  # type: ignore[method-assign]
 

@@ -69,15 +69,12 @@ NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
 
 class AdaptiveController:
     def __init__(
-        self, engine: LLMEngine, max_budget: TreeBudget, chains: list[TreeBudget] | TreeBudget,
-        explore_every: int = 16,
+        self, engine: LLMEngine, max_budget: TreeBudget, chains: list[TreeBudget], explore_every: int = 16
     ) -> None:
         self.max_budget = max_budget
-        # The chain arms (``SpecConfig.chain_depths``); ``chain``, the first, is the host path's.
-        self.chains = [chains] if isinstance(chains, TreeBudget) else list(chains)
-        if not self.chains:
+        if not chains:
             raise ValueError("adaptive speculation needs at least one chain arm")
-        self.chain = self.chains[0]
+        self.chains = chains  # the chain arms (``SpecConfig.chain_depths``)
         # Calibrated at start-up for the host path (``calibrate_if_planning``); the graphed
         # path never plans, and on a GPU the calibration captures dozens of graphs.
         self.latency: LatencyModel | None = None
@@ -97,6 +94,11 @@ class AdaptiveController:
         self.forced: TreeBudget | None = None
         # The graphed arms' step times calibrated at start-up (empty: not calibrated).
         self.calibration: list[ArmTiming] = []
+
+    @property
+    def chain(self) -> TreeBudget:
+        """The first chain arm (``CHAIN_DEPTH`` deep by default)."""
+        return self.chains[0]
 
     def calibrate_arms(self, engine: LLMEngine) -> None:
         """Time every captured arm at every batch bucket now (``engine.spec.arm_calibration``)

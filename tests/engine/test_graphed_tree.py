@@ -142,7 +142,7 @@ def test_autoregressive_steps_in_between_keep_the_graphed_path_exact(small_vocab
     )
     caught_up = []
     catch_up = eng.drafter.catch_up  # type: ignore[union-attr]
-    eng.drafter.catch_up = lambda seqs, *a: caught_up.append(len(seqs)) or catch_up(seqs, *a)  # type: ignore[union-attr,method-assign]
+    eng.drafter.catch_up = lambda seqs: caught_up.append(len(seqs)) or catch_up(seqs)  # type: ignore[union-attr,method-assign]
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert calls, "speculative steps should take the graphed path"
@@ -623,3 +623,8 @@ def test_chain_depths_are_checked() -> None:
             SpecConfig(method="adaptive", chain_depths=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chain_depths is for method 'adaptive'"):
         SpecConfig(method="tree", chain_depths=(4,))
+    from engine.spec.adaptive import AdaptiveController
+    from engine.spec.drafter import TreeBudget
+
+    with pytest.raises(ValueError, match="at least one chain arm"):
+        AdaptiveController(None, TreeBudget(topk=2, depth=3, num_draft_tokens=4), [])  # type: ignore[arg-type]

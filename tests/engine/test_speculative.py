@@ -321,7 +321,7 @@ def test_adaptive_engine_reports_each_finished_sequences_relative_yield(small_vo
 
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     assert eng.adaptive is not None
-    chain = eng._chain_budget
+    chain = eng._chain_budgets[0]
     eng.adaptive.choose = lambda *a, **k: chain  # type: ignore[method-assign]
     for i, n in enumerate((20, 33, 41, 9)):
         eng.add_request(f"r{i}", [i, 1, 2, 3, 4], SamplingParams(max_tokens=n, temperature=0.0))
@@ -352,7 +352,7 @@ def test_adaptive_snapshot_carries_the_spread_once_enough_sequences_finished(sma
 
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     assert eng.adaptive is not None
-    chain = eng._chain_budget
+    chain = eng._chain_budgets[0]
     eng.adaptive.choose = lambda *a, **k: chain  # type: ignore[method-assign]  # drafts: counters
     eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=12, temperature=0.0))
     assert "relative_yields" not in eng.acceptance_snapshot()
@@ -580,7 +580,7 @@ def test_a_prefill_catches_up_only_a_request_arriving_alone_at_a_drafting_batch(
     eng._last_drafting = eng.budget  # and drafted
     caught: list[int] = []
     catch_up = eng.drafter.catch_up
-    eng.drafter.catch_up = lambda seqs, *a: caught.append(len(seqs)) or catch_up(seqs, *a)  # type: ignore[method-assign]
+    eng.drafter.catch_up = lambda seqs: caught.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
     prompts = [[5, 1, 4, 2, 3, 0, 2, 1]] * (3 if others_in_prefill else 1)  # one chunk each
     for i, prompt in enumerate(prompts):
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -606,7 +606,7 @@ def _filling_engine(small_vocab_dir: Path, drafts_once_full: bool) -> tuple[LLME
             eng.adaptive.arms.seed_cost(bucket, False, arm, 0.001 if drafts_once_full else 0.100)
     caught: list[int] = []
     catch_up = eng.drafter.catch_up
-    eng.drafter.catch_up = lambda seqs, *a: caught.append(len(seqs)) or catch_up(seqs, *a)  # type: ignore[method-assign]
+    eng.drafter.catch_up = lambda seqs: caught.append(len(seqs)) or catch_up(seqs)  # type: ignore[method-assign]
     return eng, caught
 
 
@@ -668,7 +668,7 @@ def test_a_fill_whose_first_chunks_were_caught_up_catches_up_its_last(small_voca
     assert eng.drafter is not None
     caught: list[list[str]] = []
     catch_up = eng.drafter.catch_up
-    eng.drafter.catch_up = lambda seqs, *a: caught.append([s.request_id for s in seqs]) or catch_up(seqs, *a)  # type: ignore[method-assign]
+    eng.drafter.catch_up = lambda seqs: caught.append([s.request_id for s in seqs]) or catch_up(seqs)  # type: ignore[method-assign]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for i in range(3):  # one chunk each
         eng.add_request(f"r{i}", [5, 1, 4, 2, 3, 0, 2, 1] * 3, sp)
