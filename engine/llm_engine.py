@@ -186,9 +186,9 @@ class LLMEngine:
         use_static = engine_config.cuda_graphs
         if use_static is None:
             use_static = device.type == "cuda"
-        # Adaptive speculation's chain arms (``SpecConfig.chain_depths``; one ``CHAIN_DEPTH``
-        # deep by default, engine/spec/defaults.py).
-        self._chain_budgets = chain_budgets(spec)
+        # Adaptive speculation's chain arms for greedy (False) and sampled (True) batches
+        # (``SpecConfig.chain_depths``; by default engine/spec/defaults.py's ``chain_budgets``).
+        self._chain_budgets = {s: chain_budgets(spec, cfg.num_mtp_modules, s) for s in (False, True)}
         if device.type == "cuda":
             with timer.stage("sampling_kernels"):  # the fused draws' programs, compiled now
                 warm_race_draw(device, cfg.vocab_size, torch.float32)  # the autoregressive rows' logits
@@ -213,15 +213,17 @@ class LLMEngine:
                     )  # fmt: skip
                 budgets = [self.budget]
                 if spec.method == "adaptive":  # chain arms too, for large batches
-                    budgets += [b for b in self._chain_budgets if b != self.budget]
+                    chains = self._chain_budgets
+                    budgets += [b for b in dict.fromkeys([*chains[False], *chains[True]]) if b != self.budget]
                 for budget in budgets:
+                    kinds = [s for s in (False, True) if budget == self.budget or budget in self._chain_budgets[s]]
                     with timer.stage(f"tree_graphs:{budget_label(budget)}"):
-                        self._graphed_runners += self._build_graphed(budget, max_blocks)
+                        self._graphed_runners += self._build_graphed(budget, max_blocks, kinds)
                 self.graphed_tree, self.graphed_sampled = self._graphed_runners[:2]  # type: ignore[assignment]
         self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
-            self.adaptive = AdaptiveController(self, self.budget, self._chain_budgets)
+            self.adaptive = AdaptiveController(self, self.budget, self._chain_budgets[False], self._chain_budgets[True])
             # What a switch to drafting costs, before the first one is measured; and the
             # latency model the host path plans its tree with.
             with timer.stage("calibration"):
@@ -279,20 +281,24 @@ class LLMEngine:
             with timer.stage("arm_calibration"):
                 self.adaptive.calibrate_arms(self)
 
-    def _build_graphed(self, budget: TreeBudget, max_blocks: int) -> list[GraphedTreeStep]:
-        """The greedy and the sampled device-resident steps of ``budget``."""
+    def _build_graphed(self, budget: TreeBudget, max_blocks: int, kinds: list[bool]) -> list[GraphedTreeStep]:
+        """The device-resident steps of ``budget`` for greedy (False in ``kinds``) and sampled
+        (True) batches, greedy first."""
         cfg, reuse = self.model_config, self.spec.reuse_last_module
         use_graphs = self.device.type == "cuda"
         max_batch = self.config.max_batch_size
         drafts = self.draft_layers
-        greedy = GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch, use_graphs=use_graphs,
-                                   reuse_last_module=reuse, draft_layers=drafts)  # fmt: skip
-        # Without reuse of the last module, no draft is deeper than the modules.
-        depth = budget.depth if reuse else min(budget.depth, cfg.num_mtp_modules)
-        shape = sampled_tree_shape(dataclasses.replace(budget, depth=depth), None)
-        sampled = GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch, use_graphs=use_graphs,
-                                     reuse_last_module=reuse, draft_layers=drafts)  # fmt: skip
-        return [greedy, sampled]
+        runners: list[GraphedTreeStep] = []
+        if False in kinds:
+            runners.append(GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch, use_graphs=use_graphs,
+                                             reuse_last_module=reuse, draft_layers=drafts))  # fmt: skip
+        if True in kinds:
+            # Without reuse of the last module, no draft is deeper than the modules.
+            depth = budget.depth if reuse else min(budget.depth, cfg.num_mtp_modules)
+            shape = sampled_tree_shape(dataclasses.replace(budget, depth=depth), None)
+            runners.append(GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch,
+                                              use_graphs=use_graphs, reuse_last_module=reuse, draft_layers=drafts))  # fmt: skip
+        return runners
 
     def graphed_budgets(self, sampled: bool) -> list[TreeBudget]:
         """Budgets with a device-resident step for greedy (or sampled) batches."""
@@ -1267,7 +1273,7 @@ class LLMEngine:
         if sampled:
             results.record_acceptance(self.sampled_acceptance, width)
         if self.adaptive is not None and width > 1:
-            for chain in self.adaptive.chains:
+            for chain in self.adaptive.chains_for(sampled):
                 if chain.depth <= runner.D:  # what the chain would have yielded on these prompts
                     self.adaptive.arms.observe_counterfactual_yield(
                         len(seqs), sampled, chain, results.chain_tokens(chain.depth)

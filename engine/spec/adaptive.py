@@ -69,12 +69,16 @@ NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
 
 class AdaptiveController:
     def __init__(
-        self, engine: LLMEngine, max_budget: TreeBudget, chains: list[TreeBudget], explore_every: int = 16
+        self, engine: LLMEngine, max_budget: TreeBudget, chains: list[TreeBudget],
+        sampled_chains: list[TreeBudget] | None = None, explore_every: int = 16,
     ) -> None:
         self.max_budget = max_budget
-        if not chains:
+        if not chains or sampled_chains == []:
             raise ValueError("adaptive speculation needs at least one chain arm")
-        self.chains = chains  # the chain arms (``SpecConfig.chain_depths``)
+        # The chain arms of greedy and of sampled batches (``engine.spec.defaults.chain_budgets``;
+        # ``sampled_chains`` None: the greedy ones).
+        self.chains = chains
+        self.sampled_chains = chains if sampled_chains is None else sampled_chains
         # Calibrated at start-up for the host path (``calibrate_if_planning``); the graphed
         # path never plans, and on a GPU the calibration captures dozens of graphs.
         self.latency: LatencyModel | None = None
@@ -97,8 +101,12 @@ class AdaptiveController:
 
     @property
     def chain(self) -> TreeBudget:
-        """The first chain arm (``CHAIN_DEPTH`` deep by default)."""
+        """The first chain arm of greedy batches (``CHAIN_DEPTH`` deep by default)."""
         return self.chains[0]
+
+    def chains_for(self, sampled: bool) -> list[TreeBudget]:
+        """The chain arms of sampled (or greedy) batches."""
+        return self.sampled_chains if sampled else self.chains
 
     def calibrate_arms(self, engine: LLMEngine) -> None:
         """Time every captured arm at every batch bucket now (``engine.spec.arm_calibration``)
@@ -164,7 +172,8 @@ class AdaptiveController:
             self._predict_yields(engine, sampled, arms)
         else:  # host-driven path: the planner's tree is already the model's choice
             tree = self._planned_tree(engine)
-            arms = [*self.chains, *([] if tree in self.chains else [tree])]
+            chains = self.chains_for(sampled)
+            arms = [*chains, *([] if tree in chains else [tree])]
         chosen = self.arms.choose(
             batch_size, sampled, [NO_SPEC, *arms], lag_rows, tokens_left, filling, closed, filled_batch
         )

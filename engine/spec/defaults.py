@@ -176,9 +176,17 @@ def derive_default_budget(
     return budget_from_plan(plan, min_path_prob)
 
 
-def chain_budgets(spec: SpecConfig) -> list[TreeBudget]:
-    """Adaptive speculation's chain arms: ``spec.chain_depths`` deep, or one of ``CHAIN_DEPTH``."""
-    return [TreeBudget(topk=1, depth=d, num_draft_tokens=d) for d in spec.chain_depths or (CHAIN_DEPTH,)]
+def chain_budgets(spec: SpecConfig, num_mtp_modules: int, sampled: bool) -> list[TreeBudget]:
+    """Adaptive speculation's chain arms for greedy (or sampled) batches: ``spec.chain_depths``
+    deep for both; by default one ``CHAIN_DEPTH`` deep and, for greedy batches of a model with
+    more MTP modules than that, a second one as deep as the modules (module docstring)."""
+    if spec.chain_depths is not None:
+        depths = spec.chain_depths
+    elif sampled or num_mtp_modules <= CHAIN_DEPTH:
+        depths = (CHAIN_DEPTH,)
+    else:
+        depths = (CHAIN_DEPTH, num_mtp_modules)
+    return [TreeBudget(topk=1, depth=d, num_draft_tokens=d) for d in depths]
 
 
 def resolve_budget(spec: SpecConfig, device_type: str, vocab_size: int) -> TreeBudget:

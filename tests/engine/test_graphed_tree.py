@@ -396,22 +396,26 @@ def _assert_inputs_are_the_batchs(g: GraphedTreeStep, buf: Any, seqs: list[Seque
         assert (int(buf.L[i]), int(buf.c[i]), buf.tail[i].tolist()) == (g.k, 1, [0] * g.C)
 
 
-def test_the_chain_arm_stays_chain_depth_deep_with_more_mtp_modules(tmp_path: Path) -> None:
-    """With more MTP modules than ``CHAIN_DEPTH`` the graphed chain arm stays ``CHAIN_DEPTH``
-    deep (chain-6 on six modules was dearer per token at batches 128-256 on the H200, session
-    38), its steps still running the deeper modules over their catch-up rows, and adaptive
-    speculation switching between it and the tree keeps the autoregressive tokens."""
+def test_default_chain_arms_add_one_as_deep_as_the_modules_for_greedy_batches(tmp_path: Path) -> None:
+    """With more MTP modules than ``CHAIN_DEPTH`` the default chain arms of greedy batches are one
+    ``CHAIN_DEPTH`` deep (chain-6 alone on six modules was dearer per token at batches 128-256
+    on the H200, session 38) and one as deep as the modules (greedy batch 1 at 2.99-3.09x
+    against 2.82-2.87x, session 41); sampled batches keep the first only (a sampled chain-6
+    yields little more than chain-4 at a dearer step). Adaptive speculation switching between
+    them and the tree keeps the autoregressive tokens; the host path keeps one chain."""
     from engine.spec.adaptive import NO_SPEC
     from engine.spec.defaults import CHAIN_DEPTH
     from tests.model_factory import build_checkpoint
 
-    folder = build_checkpoint(tmp_path / "m5", seed=3, vocab_size=6, num_nextn_predict_layers=CHAIN_DEPTH + 2)
+    modules = CHAIN_DEPTH + 2
+    folder = build_checkpoint(tmp_path / "m6", seed=3, vocab_size=6, num_nextn_predict_layers=modules)
     eng = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="adaptive"), engine_config=STATIC)
     assert eng.adaptive is not None
-    tree, chain = eng.graphed_budgets(sampled=False)
-    assert (chain.topk, chain.depth, chain.num_draft_tokens) == (1, CHAIN_DEPTH, CHAIN_DEPTH)
-    assert eng.adaptive.chain == chain
-    picks = iter(([chain] * 3 + [tree] * 2 + [NO_SPEC] + [chain]) * 100)
+    tree, chain, deep = eng.graphed_budgets(sampled=False)
+    assert [(c.topk, c.depth, c.num_draft_tokens) for c in (chain, deep)] == [(1, CHAIN_DEPTH, CHAIN_DEPTH), (1, modules, modules)]
+    assert eng.graphed_budgets(sampled=True) == [tree, chain]
+    assert eng.adaptive.chain == chain and eng.adaptive.chains_for(True) == [chain]
+    picks = iter(([chain] * 3 + [tree] * 2 + [NO_SPEC] + [deep] * 2 + [chain]) * 100)
     eng.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]
     want = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
@@ -592,7 +596,7 @@ def test_adaptive_with_several_chain_arms_switches_among_them_exactly(tmp_path: 
     tree, *chains = eng.graphed_budgets(sampled=sampled)
     assert tree == eng.budget and [c.depth for c in chains] == [4, 6, 2]
     assert all(c.topk == 1 and c.num_draft_tokens == c.depth for c in chains)
-    assert eng.adaptive.chains == chains and eng.adaptive.chain == chains[0]
+    assert eng.adaptive.chains_for(sampled) == chains and eng.adaptive.chain == chains[0]
     order = [chains[0], chains[0], chains[1], chains[2], NO_SPEC, chains[1], tree, tree, chains[2], chains[0]]
     picks = iter(order * 100)
     eng.adaptive.choose = lambda *a, **k: next(picks)  # type: ignore[method-assign]

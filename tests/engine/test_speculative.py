@@ -321,7 +321,7 @@ def test_adaptive_engine_reports_each_finished_sequences_relative_yield(small_vo
 
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     assert eng.adaptive is not None
-    chain = eng._chain_budgets[0]
+    chain = eng._chain_budgets[False][0]
     eng.adaptive.choose = lambda *a, **k: chain  # type: ignore[method-assign]
     for i, n in enumerate((20, 33, 41, 9)):
         eng.add_request(f"r{i}", [i, 1, 2, 3, 4], SamplingParams(max_tokens=n, temperature=0.0))
@@ -352,7 +352,7 @@ def test_adaptive_snapshot_carries_the_spread_once_enough_sequences_finished(sma
 
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     assert eng.adaptive is not None
-    chain = eng._chain_budgets[0]
+    chain = eng._chain_budgets[False][0]
     eng.adaptive.choose = lambda *a, **k: chain  # type: ignore[method-assign]  # drafts: counters
     eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=12, temperature=0.0))
     assert "relative_yields" not in eng.acceptance_snapshot()
