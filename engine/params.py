@@ -90,7 +90,8 @@ class SpecConfig:
     # (EAGLE-2's confidence cut); None = the device default (see engine.spec.defaults).
     min_path_prob: float | None = None
     # ``adaptive`` only: the depths of the chain arms captured beside the tree, each a choice of
-    # the controller per batch bucket (None: one chain, ``CHAIN_DEPTH`` deep; engine.spec.defaults).
+    # the controller per batch bucket, for greedy and sampled batches alike (None: the defaults of
+    # engine.spec.defaults.chain_budgets: chain-4, and for greedy batches one as deep as the MTP modules).
     chain_depths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

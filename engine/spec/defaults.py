@@ -46,6 +46,15 @@ dearer per token than session 37's chain-4 where the chain serves: 0.51 against 
 against 11.4 ms at 128); batches 128 and 256 decoded autoregressively and ran 0.97x and 0.99x,
 where session 37's chain-4 had drafted them at 1.06x and 1.17x.
 
+Greedy batches of a model with more MTP modules than ``CHAIN_DEPTH`` get a second chain arm, as
+deep as the modules (``chain_budgets``; the controller chooses between the arms per batch
+bucket, and a tree step tells each chain what it would have yielded): on the six-module `gpu`
+preset session 41 measured greedy batch 1 at 2.99-3.09x with chain-4 and chain-6 against
+2.82-2.87x with chain-4 alone, and batch 256 at 0.99-1.10x against 0.95-0.98x, in three and two
+runs (``bench/results/h200-2026-12-05-session41-e86edd0-ab*``). Sampled batches keep chain-4
+only: a sampled chain-6 yielded 3.5-3.9 tokens against chain-4's 3.1-3.3 at a 10-50% dearer
+step, and its exploring runs cost (T=0.7 medians 0.68-1.20x at batch 32 against 1.16-1.38x).
+
 Session 37's `gpu` preset has six MTP modules (the four of session 34's inputs left depths 5
 and 6 to the last one). Its statistics (``bench/results/h200-2026-12-04-session37-gpu6-greedy-
 stats.json``, the 540 s model) make the optimiser pick 2x8-32 (accepted length 7.8 against 6.5
