@@ -7,6 +7,7 @@ import shlex
 
 import pytest
 
+from engine.params import SpecConfig
 from engine.simulator import AcceptanceStats, LatencyModel, best_budget, estimate, optimal_tree
 from engine.simulator.cli import main
 from engine.simulator.tree_shape import TreeShape
@@ -17,6 +18,7 @@ from engine.spec.defaults import (
     DERIVATIONS,
     GPU_TREE,
     budget_from_plan,
+    chain_budgets,
     derive_default_budget,
 )
 from engine.spec.drafter import TreeBudget
@@ -42,6 +44,26 @@ def test_gpu_chain_arm_is_one_depth_short_of_the_optimisers_best_chain_and_nearl
     deeper = optimal_tree(stats, best.depth, max_depth=best.depth, max_width=1)
     ratio = estimate(chain, stats, latency, 1).speedup / estimate(deeper, stats, latency, 1).speedup
     assert 0.98 < ratio < 1.0
+
+
+@pytest.mark.parametrize(
+    ("modules", "chain_depths", "greedy", "sampled"),
+    [
+        (1, None, [CHAIN_DEPTH], [CHAIN_DEPTH]),  # DeepSeek-V3's one module: its last reused
+        (CHAIN_DEPTH, None, [CHAIN_DEPTH], [CHAIN_DEPTH]),  # the demo model's four
+        (CHAIN_DEPTH + 2, None, [CHAIN_DEPTH, CHAIN_DEPTH + 2], [CHAIN_DEPTH]),  # the gpu preset's six
+        (CHAIN_DEPTH + 2, (3, 5), [3, 5], [3, 5]),  # set: for both kinds of batch
+    ],
+)
+def test_chain_budgets_by_module_count_and_kind_of_batch(
+    modules: int, chain_depths: tuple[int, ...] | None, greedy: list[int], sampled: list[int]
+) -> None:
+    """Adaptive speculation's chain arms (``chain_budgets``): chain-4, and for greedy batches of a
+    model with more MTP modules a second one as deep as the modules; ``chain_depths`` sets both."""
+    spec = SpecConfig(method="adaptive", chain_depths=chain_depths)
+    for kind, depths in ((False, greedy), (True, sampled)):
+        arms = chain_budgets(spec, modules, kind)
+        assert [(a.topk, a.depth, a.num_draft_tokens) for a in arms] == [(1, d, d) for d in depths]
 
 
 def _fixed(spec: str, stats: AcceptanceStats) -> TreeShape:
