@@ -69,16 +69,14 @@ NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
 
 class AdaptiveController:
     def __init__(
-        self, engine: LLMEngine, max_budget: TreeBudget, chains: list[TreeBudget],
-        sampled_chains: list[TreeBudget] | None = None, explore_every: int = 16,
+        self, engine: LLMEngine, max_budget: TreeBudget, chains: dict[bool, list[TreeBudget]],
+        explore_every: int = 16,
     ) -> None:
         self.max_budget = max_budget
-        if not chains or sampled_chains == []:
-            raise ValueError("adaptive speculation needs at least one chain arm")
-        # The chain arms of greedy and of sampled batches (``engine.spec.defaults.chain_budgets``;
-        # ``sampled_chains`` None: the greedy ones).
-        self.chains = chains
-        self.sampled_chains = chains if sampled_chains is None else sampled_chains
+        if not chains.get(False) or not chains.get(True):
+            raise ValueError("adaptive speculation needs at least one chain arm for greedy and for sampled batches")
+        # sampled -> the chain arms of such batches (``engine.spec.defaults.chain_budgets``).
+        self._chains = chains
         # Calibrated at start-up for the host path (``calibrate_if_planning``); the graphed
         # path never plans, and on a GPU the calibration captures dozens of graphs.
         self.latency: LatencyModel | None = None
@@ -102,11 +100,11 @@ class AdaptiveController:
     @property
     def chain(self) -> TreeBudget:
         """The first chain arm of greedy batches (``CHAIN_DEPTH`` deep by default)."""
-        return self.chains[0]
+        return self._chains[False][0]
 
     def chains_for(self, sampled: bool) -> list[TreeBudget]:
         """The chain arms of sampled (or greedy) batches."""
-        return self.sampled_chains if sampled else self.chains
+        return self._chains[sampled]
 
     def calibrate_arms(self, engine: LLMEngine) -> None:
         """Time every captured arm at every batch bucket now (``engine.spec.arm_calibration``)

@@ -630,5 +630,6 @@ def test_chain_depths_are_checked() -> None:
     from engine.spec.adaptive import AdaptiveController
     from engine.spec.drafter import TreeBudget
 
-    with pytest.raises(ValueError, match="at least one chain arm"):
-        AdaptiveController(None, TreeBudget(topk=2, depth=3, num_draft_tokens=4), [])  # type: ignore[arg-type]
+    for chains in ({False: [], True: []}, {False: [TreeBudget(topk=1, depth=4, num_draft_tokens=4)], True: []}):
+        with pytest.raises(ValueError, match="at least one chain arm"):
+            AdaptiveController(None, TreeBudget(topk=2, depth=3, num_draft_tokens=4), chains)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ def _controller(
     eng = SimpleNamespace(
         acceptance=AcceptanceCounter(), graphed_budgets=lambda sampled: [] if sampled else arms
     )
-    return eng, AdaptiveController(eng, MAX, [CHAIN])  # type: ignore[arg-type]
+    return eng, AdaptiveController(eng, MAX, {False: [CHAIN], True: [CHAIN]})  # type: ignore[arg-type]
 
 
 def _drive(
