@@ -14,13 +14,17 @@ Index convention for a window ``x[0..T)`` (DeepSeek-V3, section 2.2):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+# Ranks of each MTP module's draft whose greedy agreement the held-out metrics count (a tree's
+# siblings: the engine's default tree drafts 4 per node).
+GREEDY_RANKS = 8
 
 
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -84,6 +88,8 @@ class HeldoutMetrics:
     ``accept_sampled[d]``: E[sum_v min(p, q)], the probability that speculative sampling at
     temperature 1 accepts a token drafted by depth ``d`` from ``q`` when ``p`` is the main model's
     distribution (both given the true prefix). ``accept_greedy[d]``: argmax q == argmax p.
+    ``accept_greedy_rank[d][r]``: argmax p is q's rank-``r`` token (rank 0 is ``accept_greedy``),
+    for ranks ``0 .. GREEDY_RANKS - 1``: what a tree's siblings add under greedy verification.
     The chain proxies multiply them as if depths were independent: 1 + a1 + a1 a2 + …
     """
 
@@ -92,6 +98,7 @@ class HeldoutMetrics:
     mtp_kl: list[float]
     accept_sampled: list[float]
     accept_greedy: list[float]
+    accept_greedy_rank: list[list[float]] = field(default_factory=list)
 
     @staticmethod
     def chain(rates: list[float]) -> float:
@@ -108,6 +115,7 @@ class HeldoutMetrics:
             "mtp_kl": self.mtp_kl,
             "accept_sampled": self.accept_sampled,
             "accept_greedy": self.accept_greedy,
+            "accept_greedy_rank": self.accept_greedy_rank,
             "chain_len_sampled": self.chain(self.accept_sampled),
             "chain_len_greedy": self.chain(self.accept_greedy),
         }
@@ -119,6 +127,7 @@ def heldout_metrics(
 ) -> HeldoutMetrics:
     """Metrics over held-out windows (each batch [b, T] already on the model's device)."""
     sums: dict[str, list[float]] = {k: [0.0] * num_depths for k in ("ce", "kl", "acc_s", "acc_g")}
+    rank_sums = torch.zeros(num_depths, GREEDY_RANKS, dtype=torch.float64)  # [depths, ranks]
     counts = [0] * num_depths
     main_sum, main_count = 0.0, 0
     for x in batches:
@@ -138,7 +147,11 @@ def heldout_metrics(
             sums["ce"][i] += float(_ce(logits, tokens)) * tokens.numel()
             sums["kl"][i] += float((p * (log_p - log_q)).sum(-1).sum())
             sums["acc_s"][i] += float(torch.minimum(p, q).sum(-1).sum())
-            sums["acc_g"][i] += float((log_q.argmax(-1) == log_p.argmax(-1)).sum())
+            target = log_p.argmax(-1, keepdim=True)  # [b, n, 1]
+            ranks = log_q.topk(min(GREEDY_RANKS, log_q.shape[-1]), dim=-1).indices  # [b, n, R]
+            hits = (ranks == target).flatten(0, 1).sum(0).double().cpu()  # [R]
+            sums["acc_g"][i] += float(hits[0])
+            rank_sums[i, : hits.numel()] += hits
             counts[i] += tokens.numel()
     per = {k: [s / max(c, 1) for s, c in zip(v, counts, strict=True)] for k, v in sums.items()}
     return HeldoutMetrics(
@@ -147,4 +160,5 @@ def heldout_metrics(
         mtp_kl=per["kl"],
         accept_sampled=per["acc_s"],
         accept_greedy=per["acc_g"],
+        accept_greedy_rank=[[float(v) / max(c, 1) for v in row] for row, c in zip(rank_sums.tolist(), counts, strict=True)],
     )

@@ -13,7 +13,12 @@ holds each MTP module's agreement with the main model on held-out text, teacher-
 (``final_heldout.accept_greedy``: its argmax equals the main model's; ``accept_sampled``: the
 speculative-sampling acceptance ``E[sum min(p, q)]``; ``train.objectives``). Module ``d``'s rate
 given the true prefix stands for P(depth d accepted | depth d-1 accepted): a lower bound in
-practice, as the modules agree more after an accepted path than on average. Other folders (a
+practice, as the modules agree more after an accepted path than on average. Where the log also
+has ``accept_greedy_rank`` (the share of positions where the main model's argmax is module
+``d``'s rank-``r`` token), the greedy prior has those ranks too: a tree's siblings are valued
+from the start. A chain-only prior values the tree as its rank-0 path, below a cheaper chain's
+yield per step: the H200's batch 1 ran chain-4 for its first ~25 steps in some runs (2.77-2.87x
+against 2.88-3.09x where the tree was chosen at once, session 42). Other folders (a
 DeepSeek-V3 checkpoint) get the generic ``DEFAULT_PRIOR``. Either way the prior only stands in
 until the first runs measure the arms: a measured yield outweighs it after a few sequence-steps
 (``engine.spec.arms.YIELD_PRIOR_SEQ_STEPS``), and live statistics replace it.
@@ -47,10 +52,22 @@ def acceptance_prior(folder: str | Path) -> dict[bool, AcceptanceStats]:
         final = json.loads(path.read_text())["final_heldout"]
         for sampled, key in ((False, "accept_greedy"), (True, "accept_sampled")):
             prior[sampled] = _chain(final[key])
+        if "accept_greedy_rank" in final:
+            prior[False] = _ranked(final["accept_greedy_rank"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("%s: no acceptance prior (%s: %s); using the default", path, type(exc).__name__, exc)
         return {False: DEFAULT_PRIOR, True: DEFAULT_PRIOR}
     return prior
+
+
+def _ranked(rows: object) -> AcceptanceStats:
+    """Per-depth, per-rank statistics from per-module rank rates, the last depth repeated to
+    ``MAX_DEPTH`` (``AcceptanceStats`` validates them: ranks of a depth sum to at most 1)."""
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
+        raise ValueError(f"per-module rank rates must be a non-empty list of non-empty lists, got {rows!r}")
+    values = [[float(v) for v in row] for row in rows]
+    values += [values[-1]] * (MAX_DEPTH - len(values))
+    return AcceptanceStats(tuple(tuple(row) for row in values[:MAX_DEPTH]))
 
 
 def _chain(rates: object) -> AcceptanceStats:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from train.objectives import distill_losses, heldout_metrics, joint_losses
+from train.objectives import GREEDY_RANKS, distill_losses, heldout_metrics, joint_losses, mtp_depths
 from train.presets import TINY
 
 V = 11
@@ -51,8 +52,32 @@ def test_joint_and_distill_losses_line_up_targets() -> None:
     assert len(kl) == 3 and all(abs(float(v)) < 1e-6 for v in kl)
     metrics = heldout_metrics(model, [x], num_depths=3)  # type: ignore[arg-type]
     assert metrics.accept_greedy == [1.0, 1.0, 1.0]
+    assert [row[0] for row in metrics.accept_greedy_rank] == [1.0, 1.0, 1.0]
+    assert all(v == 0.0 for row in metrics.accept_greedy_rank for v in row[1:]), "rank 0 holds every hit"
     assert all(a > 0.999 for a in metrics.accept_sampled)
     assert metrics.as_dict()["chain_len_greedy"] == 4.0
+
+
+def test_greedy_rank_agreement_places_the_main_argmax_in_each_modules_ranking() -> None:
+    """``accept_greedy_rank[d][r]``: the share of positions where the main model's argmax is
+    module d's rank-r token, checked against a direct count over the modules' logits."""
+    preset = dataclasses.replace(TINY, vocab_size=64, num_mtp_modules=2)
+    model = DeepseekV3ForCausalLM(ModelConfig.from_hf_dict(preset.hf_config(0, 1, 2)))
+    model.init_weights(0)
+    x = torch.randint(0, 64, (3, 20))
+    metrics = heldout_metrics(model, [x], num_depths=2)
+    assert len(metrics.accept_greedy_rank) == 2
+    with torch.no_grad():
+        h0 = model.forward_train(x)
+        main = model.logits(h0[:, :-1]).argmax(-1)  # [b, T-1]
+        for (d, h), row in zip(mtp_depths(model, h0, x, 2), metrics.accept_greedy_rank, strict=True):
+            order = model.logits(h).argsort(-1, descending=True)  # [b, n, V]
+            rank = (order == main[:, d : d + h.shape[1], None]).float().argmax(-1)  # [b, n]
+            expected = [float((rank == r).float().mean()) for r in range(GREEDY_RANKS)]
+            assert row == pytest.approx(expected, abs=1e-9)
+            assert row[0] == pytest.approx(metrics.accept_greedy[d - 1])
+            assert sum(row) <= 1.0 + 1e-9
+    assert metrics.as_dict()["accept_greedy_rank"] == metrics.accept_greedy_rank
 
 
 def test_depths_stop_when_the_window_is_too_short() -> None:

@@ -29,6 +29,25 @@ def test_the_recipes_held_out_agreement_per_module_is_the_prior(tmp_path: Path) 
     assert all(len(ranks) == 1 for ranks in prior[False].rank_accept), "a chain: rank 0 only"
 
 
+def test_the_greedy_prior_has_the_modules_ranks_where_the_log_has_them(tmp_path: Path) -> None:
+    """A tree's siblings are valued from the start: with rank rates, the optimiser's tree for the
+    default budget is predicted to yield more than the deepest chain, which a chain prior cannot
+    tell apart from it."""
+    from engine.simulator import TreeShape, expected_length, optimal_tree
+
+    rows = [[0.79, 0.09, 0.035, 0.018], [0.77, 0.1, 0.04, 0.02]]
+    _write_log(tmp_path, {"accept_greedy": [0.79, 0.77], "accept_sampled": [0.6],
+                          "accept_greedy_rank": rows})  # fmt: skip
+    prior = acceptance_prior(tmp_path)
+    assert [list(r) for r in prior[False].rank_accept] == rows + [rows[-1]] * (MAX_DEPTH - 2)
+    assert all(len(r) == 1 for r in prior[True].rank_accept), "the sampled prior stays a chain"
+    chain_only = acceptance_prior(_write_log(tmp_path, {"accept_greedy": [0.79, 0.77], "accept_sampled": [0.6]}))
+    for stats, tree_beats_chain in ((prior[False], True), (chain_only[False], False)):
+        tree = expected_length(optimal_tree(stats, 32, 6, 4), stats)
+        chain = expected_length(TreeShape.chain(6), stats)
+        assert (tree > chain + 0.5) is tree_beats_chain, (tree, chain)
+
+
 def test_the_shipped_demo_model_has_a_prior_of_its_own() -> None:
     prior = acceptance_prior(REPO / "models" / "demo")
     assert prior[False] != DEFAULT_PRIOR and prior[True] != DEFAULT_PRIOR
@@ -47,6 +66,10 @@ def test_a_folder_without_a_training_log_gets_the_default(tmp_path: Path) -> Non
         (json.dumps({"final_heldout": {"accept_greedy": [], "accept_sampled": [0.5]}}), "non-empty"),
         (json.dumps({"final_heldout": {"accept_greedy": [1.5], "accept_sampled": [0.5]}}), r"\[0, 1\]"),
         (json.dumps({"final_heldout": {"accept_greedy": ["x"], "accept_sampled": [0.5]}}), "ValueError"),
+        (json.dumps({"final_heldout": {"accept_greedy": [0.5], "accept_sampled": [0.5],
+                                       "accept_greedy_rank": [[0.7, 0.5]]}}), "sum"),
+        (json.dumps({"final_heldout": {"accept_greedy": [0.5], "accept_sampled": [0.5],
+                                       "accept_greedy_rank": [0.7]}}), "rank rates"),
     ],
 )
 def test_an_unreadable_training_log_is_reported_and_the_default_used(
