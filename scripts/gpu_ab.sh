@@ -8,6 +8,9 @@
 #
 #   scripts/gpu_ab.sh OUT new 'old:ADAPTIVE_CHAINS=4' 'new2:TRACE_BATCHES=1,256:TRACE_ARGS=--temperatures 0'
 #
+# MODEL_DIR=PATH runs on another model folder (default $WORK/gpu), e.g. a copy of it whose
+# training_log.json differs (the acceptance prior the engine starts from).
+#
 # Every run times adaptive against the autoregressive baseline at BATCH_SIZES (default
 # 1,32,64,128,256) and TEMPERATURES (default 0,0.7), REPEATS (default 20) paired rounds, without
 # the float32 check (CHECK_DTYPE=none), the GPU tests or the simulator validation, each within
@@ -31,7 +34,8 @@ for spec in "$@"; do
         export BATCH_SIZES=${BATCH_SIZES:-1,32,64,128,256} TEMPERATURES=${TEMPERATURES:-0,0.7}
         export REPEATS=${REPEATS:-20} DEADLINE_S=${RUN_S:-200} END_S=$(( ${RUN_S:-200} + 60 ))
         echo "== $name: ${spec#"$name"}"
-        bash scripts/gpu_bench.sh "$dir" > "$dir/stdout.txt" 2>&1 || echo "== $name exited with status $?"
+        bash scripts/gpu_bench.sh "$dir" ${MODEL_DIR:+"$MODEL_DIR"} > "$dir/stdout.txt" 2>&1 \
+            || echo "== $name exited with status $?"
         tail -3 "$dir/stdout.txt"
     )
     for f in "$dir"/*.json "$dir"/*.md; do

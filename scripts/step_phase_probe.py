@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps-shown", type=int, default=8, help="first and last steps printed per round")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler traces")
+    parser.add_argument("--profile-tokens", type=int, default=24,
+                        help="new tokens per request in the profiled round (its trace stays small)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +170,7 @@ def main() -> None:
             record.append({"batch": batch, "round": r, "walls_ms": walls,
                            "steps": {n: list(steps[n]) for n in engines}})  # fmt: skip
         if not args.no_profile and args.device.startswith("cuda"):
-            sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, ignore_eos=True)
+            sp = SamplingParams(temperature=args.temperature, max_tokens=args.profile_tokens, ignore_eos=True)
             spin(adaptive.device, 50.0)
             with torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
