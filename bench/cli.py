@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--launch-after-prefill", choices=["on", "off"], default="on",
                      help="with overlap, a prefill whose prompts make up the decode batch also "
                           "launches its first decode step (EngineConfig.launch_after_prefill)")
+    off.add_argument("--early-catch-up", choices=["on", "off"], default="on",
+                     help="a prefill's MTP catch-up queued before its first tokens are read "
+                          "(EngineConfig.early_catch_up)")
     off.add_argument("--drafting-layer", choices=["on", "off", "auto"], default="auto",
                      help="the MTP modules' fused drafting forward in the graphed tree steps "
                           "(EngineConfig.drafting_layer; auto: on CUDA in 16 bits)")
@@ -149,6 +152,7 @@ def _offline(args: argparse.Namespace, device: str) -> int:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         drafting_layer=None if args.drafting_layer == "auto" else args.drafting_layer == "on",
         launch_after_prefill=args.launch_after_prefill == "on",
+        early_catch_up=args.early_catch_up == "on",
     )
     doc, ok = run_offline(settings, progress=not args.no_progress)
     from bench.results import read_json, write_json

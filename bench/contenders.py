@@ -61,18 +61,18 @@ def kv_bytes_for(engine: LLMEngine, batch: int, tokens_per_request: int) -> int:
 def load_base(model_dir: str, device: str, dtype: str, max_batch: int, tokens_per_request: int,
               kv_memory_mb: int | None, overlap_steps: bool | None = None,
               prefill_chunk_tokens: int | None = None, drafting_layer: bool | None = None,
-              launch_after_prefill: bool = True) -> LLMEngine:
+              launch_after_prefill: bool = True, early_catch_up: bool = True) -> LLMEngine:
     """The autoregressive engine; its KV pool sized for the sweep unless ``kv_memory_mb``; its
     configuration (which every contender shares) with ``overlap_steps``,
-    ``prefill_chunk_tokens``, ``drafting_layer`` (None: the engine's defaults) and
-    ``launch_after_prefill``."""
+    ``prefill_chunk_tokens``, ``drafting_layer`` (None: the engine's defaults),
+    ``launch_after_prefill`` and ``early_catch_up``."""
     probe_cfg = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=MIN_KV_BYTES)
     base = LLMEngine.from_pretrained(model_dir, device=device, dtype=dtype,
                                      spec=SpecConfig(method="none"), engine_config=probe_cfg)
     memory = kv_memory_mb * (1 << 20) if kv_memory_mb else kv_bytes_for(base, max_batch, tokens_per_request)
     config = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=memory, overlap_steps=overlap_steps,
                           prefill_chunk_tokens=prefill_chunk_tokens, drafting_layer=drafting_layer,
-                          launch_after_prefill=launch_after_prefill)
+                          launch_after_prefill=launch_after_prefill, early_catch_up=early_catch_up)
     return LLMEngine(base.model, base.tokenizer, base.eos_token_ids, SpecConfig(method="none"),
                      config, base.device)
 

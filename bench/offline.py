@@ -81,6 +81,8 @@ class OfflineSettings:
     drafting_layer: bool | None = None
     # Every engine's ``EngineConfig.launch_after_prefill``, the baseline's included.
     launch_after_prefill: bool = True
+    # Every engine's ``EngineConfig.early_catch_up``.
+    early_catch_up: bool = True
 
 
 def _log(msg: str) -> None:
@@ -112,7 +114,8 @@ def _check_in_other_dtype(s: OfflineSettings, prompts: list[list[int]], modes: l
     the paths the timed runs take."""
     assert s.check_dtype is not None
     base = load_base(s.model, s.device, s.check_dtype, len(prompts), s.prompt_tokens + s.max_new_tokens, None,
-                     s.overlap_steps, s.prefill_chunk_tokens, s.drafting_layer, s.launch_after_prefill)
+                     s.overlap_steps, s.prefill_chunk_tokens, s.drafting_layer, s.launch_after_prefill,
+                     s.early_catch_up)
     contenders, _ = build_contenders(s.model, base, modes, parse_dtype(s.check_dtype))
     result = greedy_check(contenders, prompts, s.check_tokens or s.max_new_tokens)
     del base, contenders
@@ -221,7 +224,7 @@ def run_offline(s: OfflineSettings, progress: bool = True) -> tuple[dict[str, An
     meta = run_metadata(s.device, s.model)
     base = load_base(s.model, s.device, s.dtype, max_batch, s.prompt_tokens + s.max_new_tokens,
                      s.kv_memory_mb, s.overlap_steps, s.prefill_chunk_tokens, s.drafting_layer,
-                     s.launch_after_prefill)
+                     s.launch_after_prefill, s.early_catch_up)
     prompts, source = load_prompts(s.model, base.tokenizer, base.model_config.vocab_size,
                                    s.num_prompts or max(max_batch, s.min_sequences), s.prompt_tokens,
                                    skip=s.prompt_offset)

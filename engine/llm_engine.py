@@ -180,6 +180,7 @@ class LLMEngine:
         overlap = engine_config.overlap_steps
         self.overlap_steps = device.type == "cuda" if overlap is None else overlap
         self.launch_after_prefill = self.overlap_steps and engine_config.launch_after_prefill
+        self.early_catch_up = engine_config.early_catch_up
         self._ahead: GraphedTreeStep | ARLaunch | None = None  # a step launched ahead (``_read_ahead``)
         self._ahead_since = 0.0  # perf_counter when it was launched: its turn starts there
         self.draft_layers: dict[int, DraftLayer] = {}
@@ -988,54 +989,69 @@ class LLMEngine:
             if seq.num_committed == len(seq.tokens):
                 finishing.append((seq, h[-1]))
         if finishing:
+            prefilled = [seq for seq, _ in finishing]
+            if self.early_catch_up:
+                # The catch-up's host work runs while the device runs the prefill: queued
+                # before the first tokens are read (their read waits for the prefill).
+                self._catch_up_prompts(prefilled, len(finishing) == len(work))
             logits = self.model.logits(torch.stack([h for _, h in finishing]))  # [F, V]
             tokens = self._sample_rows([seq for seq, _ in finishing], logits)
             for (seq, _), token in zip(finishing, tokens, strict=True):
                 if self.adaptive is not None:
                     seq.yield_clock = (*self._yield_clock, seq.stats.num_accepted_tokens)
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
-            # Catch the MTP modules up over the prompt now, so that the first decode step can
-            # already take a device step. Adaptive engines leave it to the first speculative
-            # step (where autoregressive decoding wins it is never paid, and while a batch
-            # fills its choice weighs the catch-up), unless their last decode step drafted and
-            # nothing else is joining the batch (a request arriving alone at a drafting batch),
-            # or the batch being filled would draft once full, its catch-up counted.
-            # (Caught up in every prefill, the H200's closed batch of 256 drafted as it filled,
-            # its catch-ups uncounted: 0.85x autoregressive decoding.)
-            drafting: TreeBudget | None = self.budget
-            if self.adaptive is not None:
-                # Alone: nothing waits and no other request is still in its prefill (a batch
-                # admitted at once fills over several chunks: caught up at its first, the H200's
-                # batch 256 drafted at 64, 128 and 192 sequences, catching each chunk up in turn,
-                # then decoded autoregressively: 19 ms of a 160 ms round for nothing).
-                # And the batch it joins has been decoding: after a prefill-only step the last
-                # decode step's choice is another batch's (the H200's batch 128 fills in two
-                # chunks: its second was caught up or not as the previous batch's last step had
-                # drafted, and if not, the first drafting step caught 64 prompts up in ~6.5 ms,
-                # against ~2.3 ms in the prefill).
-                # (Sequences in prefill have taken no decode step: ``num_steps`` counts a turn's.)
-                # Asked once per fill: its later chunks follow its first, whatever the last
-                # decode step chose. A fill that drafts after its first chunks and leaves its
-                # last to the first full step pays that catch-up there (the H200's batch 256: a
-                # filling step decoded autoregressively, so its last chunk, "alone", was not
-                # caught up, and the first full step took 22 ms against ~6); and each question
-                # reads the whole batch (~0.3 ms at 256), as "alone" does (so it is read only
-                # for the question).
-                if not self._fill_asked:
-                    alone = (not self.scheduler.num_waiting and len(finishing) == len(work)
-                             and not any(s.in_prefill for s in self.scheduler.running)
-                             and any(s.stats.num_steps for s in self.scheduler.running))  # fmt: skip
-                    self._fill_asked = True
-                    self._fill_catch_up = self._last_drafting if alone else self._filled_batch_drafts()
-                drafting = self._fill_catch_up
-            runners = self._graphed_steps(drafting) if drafting is not None else []
-            if runners and self.drafter is not None:
-                ready = [
-                    seq for seq, _ in finishing
-                    if seq.status is SeqStatus.RUNNING and any(r.serves(seq.sampling) for r in runners)
-                ]  # fmt: skip
-                if ready:
-                    self.drafter.catch_up(ready)
+            if not self.early_catch_up:
+                self._catch_up_prompts(prefilled, len(finishing) == len(work))
+
+    def _catch_up_prompts(self, prefilled: list[Sequence], whole_chunk: bool) -> None:
+        """Catch the MTP modules up over the prompts of ``prefilled`` (their prefill just ended;
+        ``whole_chunk``: every sequence of the step's prefill did), where their first decode
+        step would draft. Early (``EngineConfig.early_catch_up``) their first tokens are not
+        drawn yet: the modules stop one row short of the prompt's end, which the first
+        drafting step catches up with its own rows."""
+        # Catch the MTP modules up over the prompt now, so that the first decode step can
+        # already take a device step. Adaptive engines leave it to the first speculative
+        # step (where autoregressive decoding wins it is never paid, and while a batch
+        # fills its choice weighs the catch-up), unless their last decode step drafted and
+        # nothing else is joining the batch (a request arriving alone at a drafting batch),
+        # or the batch being filled would draft once full, its catch-up counted.
+        # (Caught up in every prefill, the H200's closed batch of 256 drafted as it filled,
+        # its catch-ups uncounted: 0.85x autoregressive decoding.)
+        drafting: TreeBudget | None = self.budget
+        if self.adaptive is not None:
+            # Alone: nothing waits and no other request is still in its prefill (a batch
+            # admitted at once fills over several chunks: caught up at its first, the H200's
+            # batch 256 drafted at 64, 128 and 192 sequences, catching each chunk up in turn,
+            # then decoded autoregressively: 19 ms of a 160 ms round for nothing).
+            # And the batch it joins has been decoding: after a prefill-only step the last
+            # decode step's choice is another batch's (the H200's batch 128 fills in two
+            # chunks: its second was caught up or not as the previous batch's last step had
+            # drafted, and if not, the first drafting step caught 64 prompts up in ~6.5 ms,
+            # against ~2.3 ms in the prefill).
+            # (Sequences in prefill have taken no decode step: ``num_steps`` counts a turn's.)
+            # Asked once per fill: its later chunks follow its first, whatever the last
+            # decode step chose. A fill that drafts after its first chunks and leaves its
+            # last to the first full step pays that catch-up there (the H200's batch 256: a
+            # filling step decoded autoregressively, so its last chunk, "alone", was not
+            # caught up, and the first full step took 22 ms against ~6); and each question
+            # reads the whole batch (~0.3 ms at 256), as "alone" does (so it is read only
+            # for the question).
+            if not self._fill_asked:
+                just = set(map(id, prefilled))  # in prefill until their first tokens, read next
+                alone = (not self.scheduler.num_waiting and whole_chunk
+                         and not any(s.in_prefill for s in self.scheduler.running if id(s) not in just)
+                         and any(s.stats.num_steps for s in self.scheduler.running))  # fmt: skip
+                self._fill_asked = True
+                self._fill_catch_up = self._last_drafting if alone else self._filled_batch_drafts()
+            drafting = self._fill_catch_up
+        runners = self._graphed_steps(drafting) if drafting is not None else []
+        if runners and self.drafter is not None:
+            ready = [
+                seq for seq in prefilled
+                if seq.status is SeqStatus.RUNNING and any(r.serves(seq.sampling) for r in runners)
+            ]  # fmt: skip
+            if ready:
+                self.drafter.catch_up(ready)
 
     def _filled_batch_drafts(self) -> TreeBudget | None:
         """The drafting arm the batch being filled (the running sequences and those waiting,

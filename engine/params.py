@@ -149,6 +149,10 @@ class EngineConfig:
     # batch's first decode step too, before its own host work (``LLMEngine._launch_after_
     # prefill``): the step that started each request synchronously, not launched ahead.
     launch_after_prefill: bool = True
+    # A prefill's MTP catch-up over its prompts (where their first decode step drafts) is
+    # queued before their first tokens are read, so its host work runs while the device runs
+    # the prefill; False: after them (before session 43, with the device idle through it).
+    early_catch_up: bool = True
     # The graphed tree steps' MTP forwards take the drafting layer (engine/model/draft_layer.py:
     # absorbed MLA weights, GEMMs with the norms, residual adds and SwiGLU inside; drafts may
     # differ in the last bits, outputs do not). None: on CUDA with Triton in a 16-bit dtype;

@@ -41,6 +41,7 @@
 # OVERLAP_STEPS (on, off or auto, default auto = on on CUDA: EngineConfig.overlap_steps of every
 # engine, the baseline's too),
 # LAUNCH_AFTER_PREFILL (on or off, default on: EngineConfig.launch_after_prefill of every engine),
+# EARLY_CATCH_UP (on or off, default on: EngineConfig.early_catch_up of every engine),
 # PREFILL_CHUNK (prompt tokens prefilled per step by every engine, the baseline's too; default:
 # the engine's, 4096 on CUDA),
 # SPIN_MS (default 50: milliseconds of GPU matrix products before every timed run, so that each
@@ -141,7 +142,7 @@ PYTHONFAULTHANDLER=1 timeout -s ABRT $(( LIMIT + ${SWEEP_MARGIN_S:-120} )) \
     ${ADAPTIVE_TREE:+--adaptive-tree "$ADAPTIVE_TREE"} ${ADAPTIVE_CHAINS:+--adaptive-chains "$ADAPTIVE_CHAINS"} \
     --min-sequences "${MIN_SEQUENCES:-16}" --warmup-tokens "${WARMUP_TOKENS:-${MAX_NEW_TOKENS:-64}}" \
     --spin-ms "${SPIN_MS:-50}" --overlap-steps "${OVERLAP_STEPS:-auto}" \
-    --launch-after-prefill "${LAUNCH_AFTER_PREFILL:-on}" \
+    --launch-after-prefill "${LAUNCH_AFTER_PREFILL:-on}" --early-catch-up "${EARLY_CATCH_UP:-on}" \
     ${PREFILL_CHUNK:+--prefill-chunk-tokens "$PREFILL_CHUNK"} \
     --time-limit-s "$LIMIT" --price-per-hour "${PRICE_PER_HOUR:-3.50}" \
     --out "$OUT" --no-progress || echo "== bench offline exited with status $?"

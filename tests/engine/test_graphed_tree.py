@@ -62,6 +62,32 @@ def test_graphed_greedy_equals_autoregressive(small_vocab_dir: Path, spec: SpecC
     assert eng.acceptance_snapshot()["num_steps"] == sum(calls)
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["early-catch-up", "late-catch-up"])
+def test_the_prefill_catch_up_before_or_after_the_first_tokens_changes_no_output(
+    small_vocab_dir: Path, early: bool
+) -> None:
+    """``EngineConfig.early_catch_up``: queued before the first tokens are drawn, the prompt's
+    catch-up stops one row short (the first drafting step takes that row with its own); either
+    way every decode step is graphed and the tokens are autoregressive decoding's."""
+    base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
+    eng, calls = _engine(small_vocab_dir, SPECS[0], EngineConfig(cuda_graphs=True, early_catch_up=early))
+    caught: list[list[int]] = []  # prompt rows module 1 has left after each prefill catch-up
+    catch_up = eng.drafter.catch_up  # type: ignore[union-attr]
+
+    def traced(seqs: list[Sequence]) -> list[Sequence]:
+        rest = catch_up(seqs)
+        caught.append([s.output_start - s.mtp_committed[0] for s in seqs])
+        return rest
+
+    eng.drafter.catch_up = traced  # type: ignore[method-assign, union-attr]
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert sum(calls) == sum(o.stats.num_steps for o in outs)
+    # Module 1's row t consumes token t + 1: the prompt's last row waits for the first token,
+    # and early, before it is drawn, the row before it too (its token was then the last one).
+    assert caught and all(left == (2 if early else 1) for left in caught[0]), caught
+
+
 def test_graphed_moe_equals_autoregressive(small_vocab_moe_dir: Path) -> None:
     base = LLMEngine.from_pretrained(small_vocab_moe_dir, spec=SpecConfig(method="none")).generate(PROMPTS, GREEDY)
     eng, calls = _engine(small_vocab_moe_dir, SpecConfig(method="tree", topk=3, depth=5, num_draft_tokens=12))
