@@ -1046,9 +1046,12 @@ class LLMEngine:
             drafting = self._fill_catch_up
         runners = self._graphed_steps(drafting) if drafting is not None else []
         if runners and self.drafter is not None:
+            # (Early, a request whose first token ends it is caught up for nothing, unless it
+            # asked for one token only; its blocks are zeroed after the catch-up's writes.)
             ready = [
                 seq for seq in prefilled
-                if seq.status is SeqStatus.RUNNING and any(r.serves(seq.sampling) for r in runners)
+                if seq.status is SeqStatus.RUNNING and seq.sampling.max_tokens > 1
+                and any(r.serves(seq.sampling) for r in runners)
             ]  # fmt: skip
             if ready:
                 self.drafter.catch_up(ready)
