@@ -990,18 +990,25 @@ class LLMEngine:
                 finishing.append((seq, h[-1]))
         if finishing:
             prefilled = [seq for seq, _ in finishing]
-            if self.early_catch_up:
-                # The catch-up's host work runs while the device runs the prefill: queued
-                # before the first tokens are read (their read waits for the prefill).
-                self._catch_up_prompts(prefilled, len(finishing) == len(work))
+            whole = len(finishing) == len(work)
             logits = self.model.logits(torch.stack([h for _, h in finishing]))  # [F, V]
-            tokens = self._sample_rows([seq for seq, _ in finishing], logits)
+            early = self.early_catch_up and not any(s.sampling.has_penalties for s in prefilled)
+            if early:
+                # The first tokens are drawn and their copy to the host started, then the
+                # catch-up queued behind them: its host work runs while the device runs the
+                # prefill, and the tokens' read waits for the prefill, not for the catch-up,
+                # whose device work then runs under the host work that follows the read.
+                staged = _stage_drawn(*self._draw_rows(prefilled, logits))
+                self._catch_up_prompts(prefilled, whole)
+                tokens = _read_staged(*staged)
+            else:
+                tokens = self._sample_rows(prefilled, logits)
             for (seq, _), token in zip(finishing, tokens, strict=True):
                 if self.adaptive is not None:
                     seq.yield_clock = (*self._yield_clock, seq.stats.num_accepted_tokens)
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
-            if not self.early_catch_up:
-                self._catch_up_prompts(prefilled, len(finishing) == len(work))
+            if not early:
+                self._catch_up_prompts(prefilled, whole)
 
     def _catch_up_prompts(self, prefilled: list[Sequence], whole_chunk: bool) -> None:
         """Catch the MTP modules up over the prompts of ``prefilled`` (their prefill just ended;
@@ -1590,6 +1597,32 @@ def _eos_ids(folder: Path, cfg: ModelConfig) -> frozenset[int]:
     if not isinstance(value, list):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
     return frozenset(int(v) for v in value)
+
+
+def _stage_drawn(tokens: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start the copy of tokens drawn on the device [B] (and whether each row had probability
+    mass [B], None: all greedy; ``LLMEngine._draw_rows``) to the host, without waiting: work
+    queued on the device after it does not delay their read (``_read_staged``). Returns the
+    host rows [1 or 2, B] and the copy's event (None on a CPU, where the copy is done)."""
+    packed = tokens[None] if ok is None else torch.stack([tokens, ok.long()])  # [1 or 2, B]
+    if not packed.is_cuda:
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
+def _read_staged(host: torch.Tensor, copied: torch.cuda.Event | None) -> list[int]:
+    """The tokens ``_stage_drawn`` started copying, once copied; a sampled row without
+    probability mass is an error (as in ``_read_drawn``)."""
+    if copied is not None:
+        copied.synchronize()
+    rows = host.tolist()
+    if len(rows) > 1 and not all(rows[1]):
+        raise ValueError("probs has a row with no positive mass")
+    return rows[0]
 
 
 def _read_drawn(tokens: torch.Tensor, ok: torch.Tensor | None, rows: list[int] | None = None) -> list[int]:

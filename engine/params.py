@@ -150,8 +150,10 @@ class EngineConfig:
     # prefill``): the step that started each request synchronously, not launched ahead.
     launch_after_prefill: bool = True
     # A prefill's MTP catch-up over its prompts (where their first decode step drafts) is
-    # queued before their first tokens are read, so its host work runs while the device runs
-    # the prefill; False: after them (before session 43, with the device idle through it).
+    # queued behind the drawing of their first tokens and before their read, so its host work
+    # runs while the device runs the prefill and its device work under the host work after the
+    # read (requests with penalties, sampled on the host, keep the old order); False: after the
+    # read (before session 43, with the device idle through the catch-up's host work).
     early_catch_up: bool = True
     # The graphed tree steps' MTP forwards take the drafting layer (engine/model/draft_layer.py:
     # absorbed MLA weights, GEMMs with the norms, residual adds and SwiGLU inside; drafts may
