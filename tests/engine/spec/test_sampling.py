@@ -196,6 +196,22 @@ def test_batched_rows_reject_rows_without_mass() -> None:
         _read_drawn(tokens, ok)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_staged_read_of_drawn_tokens_gives_them_and_refuses_rows_without_mass(device: str) -> None:
+    """``_stage_drawn`` / ``_read_staged`` (the prefill's early catch-up reads its first tokens
+    so): the same tokens as ``_read_drawn``, greedy rows and sampled ones alike."""
+    from engine.llm_engine import _read_drawn, _read_staged, _stage_drawn
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    tokens = torch.tensor([3, 1, 4], device=device)
+    assert _read_staged(*_stage_drawn(tokens, None)) == _read_drawn(tokens, None) == [3, 1, 4]
+    ok = torch.tensor([True, True, True], device=device)
+    assert _read_staged(*_stage_drawn(tokens, ok)) == [3, 1, 4]
+    with pytest.raises(ValueError, match="no positive mass"):
+        _read_staged(*_stage_drawn(tokens, torch.tensor([True, False, True], device=device)))
+
+
 def test_seeded_rows_next_to_unseeded_ones_draw_what_they_draw_alone() -> None:
     """Unseeded rows share one draw from the default generator; the seeded rows among them are
     overwritten from their own generators and draw as they would alone."""
