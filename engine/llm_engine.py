@@ -1013,9 +1013,9 @@ class LLMEngine:
     def _catch_up_prompts(self, prefilled: list[Sequence], whole_chunk: bool) -> None:
         """Catch the MTP modules up over the prompts of ``prefilled`` (their prefill just ended;
         ``whole_chunk``: every sequence of the step's prefill did), where their first decode
-        step would draft. Early (``EngineConfig.early_catch_up``) their first tokens are not
-        drawn yet: the modules stop one row short of the prompt's end, which the first
-        drafting step catches up with its own rows."""
+        step would draft. Early (``EngineConfig.early_catch_up``) their first tokens are not in
+        the sequences yet: module 1 stops one row earlier (two short of the prompt's end),
+        which the first drafting step catches up with its own rows."""
         # Catch the MTP modules up over the prompt now, so that the first decode step can
         # already take a device step. Adaptive engines leave it to the first speculative
         # step (where autoregressive decoding wins it is never paid, and while a batch
@@ -1600,11 +1600,11 @@ def _eos_ids(folder: Path, cfg: ModelConfig) -> frozenset[int]:
 
 
 def _stage_drawn(tokens: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start the copy of tokens drawn on the device [B] (and whether each row had probability
-    mass [B], None: all greedy; ``LLMEngine._draw_rows``) to the host, without waiting: work
-    queued on the device after it does not delay their read (``_read_staged``). Returns the
-    host rows [1 or 2, B] and the copy's event (None on a CPU, where the copy is done)."""
-    packed = tokens[None] if ok is None else torch.stack([tokens, ok.long()])  # [1 or 2, B]
+    """Start the copy of tokens drawn on the device (``LLMEngine._draw_rows``) to the host,
+    without waiting: work queued on the device after it does not delay their read
+    (``_read_staged``). Returns the host rows (``_packed_draw``) and the copy's event (None on
+    a CPU, where the copy is done)."""
+    packed = _packed_draw(tokens, ok)
     if not packed.is_cuda:
         return packed, None
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -1615,26 +1615,29 @@ def _stage_drawn(tokens: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.T
 
 
 def _read_staged(host: torch.Tensor, copied: torch.cuda.Event | None) -> list[int]:
-    """The tokens ``_stage_drawn`` started copying, once copied; a sampled row without
-    probability mass is an error (as in ``_read_drawn``)."""
+    """The tokens ``_stage_drawn`` started copying, once copied (checked as ``_read_drawn``)."""
     if copied is not None:
         copied.synchronize()
-    rows = host.tolist()
-    if len(rows) > 1 and not all(rows[1]):
+    return _checked_draw(host.tolist())
+
+
+def _packed_draw(tokens: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
+    """Tokens [B] and whether each row had probability mass [B] (None: all greedy) as one
+    tensor [1 or 2, B], read in one copy."""
+    return tokens[None] if ok is None else torch.stack([tokens, ok.long()])
+
+
+def _checked_draw(packed: list[list[int]], rows: list[int] | None = None) -> list[int]:
+    """The tokens of a read ``_packed_draw`` (those of ``rows`` only if given); a sampled row
+    without probability mass is an error."""
+    if rows is not None:
+        packed = [[line[r] for r in rows] for line in packed]
+    if len(packed) > 1 and not all(packed[1]):
         raise ValueError("probs has a row with no positive mass")
-    return rows[0]
+    return packed[0]
 
 
 def _read_drawn(tokens: torch.Tensor, ok: torch.Tensor | None, rows: list[int] | None = None) -> list[int]:
     """Read tokens drawn on the device (``LLMEngine._draw_rows``) in one copy, those of
     ``rows`` only if given; a sampled row read without probability mass is an error."""
-    if ok is None:  # greedy rows only
-        drawn, has_mass = tokens.tolist(), None
-    else:
-        drawn, has_mass = torch.stack([tokens, ok.long()]).tolist()
-    if rows is not None:
-        drawn = [drawn[r] for r in rows]
-        has_mass = None if has_mass is None else [has_mass[r] for r in rows]
-    if has_mass is not None and not all(has_mass):
-        raise ValueError("probs has a row with no positive mass")
-    return drawn
+    return _checked_draw(_packed_draw(tokens, ok).tolist(), rows)

@@ -126,7 +126,7 @@ def heldout_metrics(
     model: DeepseekV3ForCausalLM, batches: list[torch.Tensor], num_depths: int
 ) -> HeldoutMetrics:
     """Metrics over held-out windows (each batch [b, T] already on the model's device)."""
-    sums: dict[str, list[float]] = {k: [0.0] * num_depths for k in ("ce", "kl", "acc_s", "acc_g")}
+    sums: dict[str, list[float]] = {k: [0.0] * num_depths for k in ("ce", "kl", "acc_s")}
     rank_sums = torch.zeros(num_depths, GREEDY_RANKS, dtype=torch.float64)  # [depths, ranks]
     counts = [0] * num_depths
     main_sum, main_count = 0.0, 0
@@ -149,16 +149,15 @@ def heldout_metrics(
             sums["acc_s"][i] += float(torch.minimum(p, q).sum(-1).sum())
             target = log_p.argmax(-1, keepdim=True)  # [b, n, 1]
             ranks = log_q.topk(min(GREEDY_RANKS, log_q.shape[-1]), dim=-1).indices  # [b, n, R]
-            hits = (ranks == target).flatten(0, 1).sum(0).double().cpu()  # [R]
-            sums["acc_g"][i] += float(hits[0])
-            rank_sums[i, : hits.numel()] += hits
+            rank_sums[i, : ranks.shape[-1]] += (ranks == target).flatten(0, 1).sum(0).double().cpu()
             counts[i] += tokens.numel()
     per = {k: [s / max(c, 1) for s, c in zip(v, counts, strict=True)] for k, v in sums.items()}
+    rank_rates = [[v / max(c, 1) for v in row] for row, c in zip(rank_sums.tolist(), counts, strict=True)]
     return HeldoutMetrics(
         main_loss=main_sum / max(main_count, 1),
         mtp_loss=per["ce"],
         mtp_kl=per["kl"],
         accept_sampled=per["acc_s"],
-        accept_greedy=per["acc_g"],
-        accept_greedy_rank=[[float(v) / max(c, 1) for v in row] for row, c in zip(rank_sums.tolist(), counts, strict=True)],
+        accept_greedy=[row[0] for row in rank_rates],
+        accept_greedy_rank=rank_rates,
     )
