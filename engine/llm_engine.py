@@ -15,7 +15,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,48 +22,36 @@ import torch
 
 from engine.batch_builder import SeqRows, build_batch, causal_mask
 from engine.cuda_graphs import DEFAULT_PREFILL_TOKENS, StaticTargetForward
-from engine.host_tensor import int_tensor, to_device
 from engine.kv.block_pool import BlockPool, KVCacheFull
-from engine.kv.compaction import compact_and_zero
 from engine.launch_ahead import ARLaunch, may_continue, rows_within
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.draft_layer import DraftLayer, draft_layers
 from engine.model.loader import load_model, parse_dtype
-from engine.outputs import RequestOutput, ZeroEvent
+from engine.outputs import RequestOutput, StepTimings, ZeroEvent
 from engine.params import DEFAULT_PREFILL_CHUNK, EngineConfig, SamplingParams, SpecConfig
-from engine.sampling import (
-    SamplingTensors,
-    apply_penalties,
-    draw_rows,
-    make_generator,
-    probs_from_logits,
-    sample_from_probs,
-    token_counts,
-)
+from engine.sampling import make_generator
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
-from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.defaults import (
-    LIVE_STATS_MIN_STEPS,
     chain_budgets,
     resolve_budget,
     sampled_tree_shape,
 )
-from engine.spec.device_tree import race_draw, warm_race_draw
+from engine.spec.device_tree import warm_race_draw
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_catch_up import GraphedCatchUp
 from engine.spec.graphed_sampled import GraphedSampledTree
 from engine.spec.graphed_tree import GraphedGreedyTree, GraphedTreeStep
 from engine.spec.hidden_log import HiddenLog
-from engine.spec.tree import DraftTree
-from engine.spec.verifier import AcceptResult, verify_greedy, verify_sampling
+from engine.spec.host_step import HostTreeStep
 from engine.startup_timer import StartupTimer
 from engine.step_failure import StepFailed
+from engine.token_draw import draw_tokens, read_drawn, read_staged, sample_tokens, stage_drawn
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
@@ -88,28 +75,6 @@ class _BatchSummary(NamedTuple):
     sampled: bool
     age: int  # autoregressive steps since it was read from the batch
     exact: bool = False  # re-read after SUMMARY_REFRESH steps: its updates stay exact
-
-
-@dataclass
-class StepTimings:
-    """Timings of the last step (seconds), for benchmarks.
-
-    ``draft`` and ``verify`` are host clock. On CUDA the rollback (compaction) is timed with CUDA
-    events and only resolved when read, so the decode loop never waits for it.
-    """
-
-    draft: float = 0.0
-    verify: float = 0.0
-    rollback_host: float = 0.0
-    rollback_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-
-    @property
-    def rollback(self) -> float:
-        if self.rollback_events is None:
-            return self.rollback_host
-        start, end = self.rollback_events
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
 
 
 class LLMEngine:
@@ -165,6 +130,8 @@ class LLMEngine:
         # MTP state is kept only when something drafts (autoregressive engines skip it).
         drafts = cfg.num_mtp_modules > 0 and spec.method != "none"
         self.drafter = MTPDrafter(model, self.pool, spec.reuse_last_module) if drafts else None
+        # Speculative steps no device-resident step takes (``engine.spec.host_step``).
+        self.host_step = HostTreeStep(model, self.pool, self.drafter, self._forward_target) if self.drafter else None
         # Autoregressive steps' hidden rows, handed to the sequences when something reads them.
         self._hidden_log = HiddenLog()
         self.acceptance = AcceptanceCounter()
@@ -221,7 +188,6 @@ class LLMEngine:
                     with timer.stage(f"tree_graphs:{budget_label(budget)}"):
                         self._graphed_runners += self._build_graphed(budget, max_blocks, kinds)
                 self.graphed_tree, self.graphed_sampled = self._graphed_runners[:2]  # type: ignore[assignment]
-        self._shape_cache: tuple[tuple[TreeBudget, int], TreeShape] | None = None
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budgets)
@@ -998,9 +964,9 @@ class LLMEngine:
                 # catch-up queued behind them: its host work runs while the device runs the
                 # prefill, and the tokens' read waits for the prefill, not for the catch-up,
                 # whose device work then runs under the host work that follows the read.
-                staged = _stage_drawn(*self._draw_rows(prefilled, logits))
+                staged = stage_drawn(*draw_tokens(prefilled, logits))
                 self._catch_up_prompts(prefilled, whole)
-                tokens = _read_staged(*staged)
+                tokens = read_staged(*staged)
             else:
                 tokens = self._sample_rows(prefilled, logits)
             for (seq, _), token in zip(finishing, tokens, strict=True):
@@ -1091,7 +1057,7 @@ class LLMEngine:
         else:
             rows = rows_within(seqs, launched.seqs)
             everyone = len(rows) == len(launched.seqs)
-            tokens = _read_drawn(launched.tokens, launched.ok, None if everyone else rows)
+            tokens = read_drawn(launched.tokens, launched.ok, None if everyone else rows)
             hidden = launched.hidden if everyone else launched.hidden[rows]
         if ahead and self._may_launch_ahead_autoregressive(seqs):
             self._ahead = self._launch_autoregressive(seqs, tokens)
@@ -1143,7 +1109,7 @@ class LLMEngine:
             self._launch_graphed(drafting, seqs)
         elif self._may_launch_ahead_autoregressive(seqs):
             hidden = self._decode_hidden(seqs, [s.tokens[-1] for s in seqs], [s.num_committed for s in seqs])
-            self._ahead = ARLaunch(seqs, hidden, *self._draw_rows(seqs, self.model.logits(hidden)))
+            self._ahead = ARLaunch(seqs, hidden, *draw_tokens(seqs, self.model.logits(hidden)))
             self._ahead_since = time.perf_counter()
 
     def _may_launch_ahead_autoregressive(self, seqs: list[Sequence]) -> bool:
@@ -1160,12 +1126,12 @@ class LLMEngine:
         """Queue the next autoregressive step over ``seqs``, whose tokens ``tokens`` were just
         drawn (their commits not yet made): its tokens stay on the device until it is read."""
         hidden = self._decode_hidden(seqs, tokens, [s.num_committed + 1 for s in seqs])
-        return ARLaunch(list(seqs), hidden, *self._draw_rows(seqs, self.model.logits(hidden)))
+        return ARLaunch(list(seqs), hidden, *draw_tokens(seqs, self.model.logits(hidden)))
 
     def _speculative_step(
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]
     ) -> None:
-        assert self.drafter is not None
+        assert self.host_step is not None
         steady = steady_catch_up_rows(budget.depth)
         lagging = [s for s in seqs if len(s.tokens) - 1 - s.mtp_committed[0] > steady]
         if lagging:
@@ -1177,63 +1143,16 @@ class LLMEngine:
             # at a load of 8 re-ran them every few steps, each run catching up first (0.74-0.89x
             # of no speculation, session 30).
             self._catch_up_alone(lagging)
-        t0 = time.perf_counter()
-        trees = self.drafter.draft(seqs, budget, self._sampled_shape(budget, seqs))
-        t1 = time.perf_counter()
-        rows = [
-            SeqRows(
-                seq.block_ids,
-                seq.num_committed,
-                tree.token_list,
-                [seq.num_committed + d for d in tree.depth_list],
-                tree.tree_mask(),
-            )
-            for seq, tree in zip(seqs, trees, strict=True)
-        ]
-        ids, batch = build_batch(rows, self.pool.block_size, self.device)
-        sizes = {tree.num_nodes for tree in trees}
-        hidden = self._forward_target(ids, batch, sizes.pop() if len(sizes) == 1 else None)  # [N, H]
-        logits = self.model.logits(hidden)  # [N, V]
-        t2 = time.perf_counter()
-        offset = 0
-        results: list[AcceptResult] = []
-        src: list[torch.Tensor] = []
-        dst: list[torch.Tensor] = []
-        zero: list[torch.Tensor] = []
-        for seq, tree in zip(seqs, trees, strict=True):
-            n = tree.num_nodes
-            result = self._verify(seq, tree, logits[offset : offset + n])
-            results.append(result)
-            path = torch.tensor(result.accepted, device=self.device)
-            slots = batch.slot_mapping[offset : offset + n]  # [n] flat slots of the tree
-            m = len(result.accepted) - 1
-            if any(a != i for i, a in enumerate(result.accepted)):
-                src.append(slots[path])
-                dst.append(slots[: m + 1])
-            zero.append(slots[m + 1 :])
-            if self.drafter is not None:
-                seq.push_hidden(0, seq.num_committed, hidden[offset : offset + n][path])
-            seq.num_committed += m + 1
-            offset += n
-        events = None
-        if self.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        r0 = time.perf_counter()
-        self._compact(src, dst, zero)
-        rollback = time.perf_counter() - r0
-        if events is not None:
-            events[1].record()
-        for seq, tree, result in zip(seqs, trees, results, strict=True):
+        verified, self.last_timings = self.host_step.run(seqs, budget, self.sampled_acceptance)
+        for seq, step in zip(seqs, verified, strict=True):
+            tree, result = step
             self.acceptance.record(tree, result.accepted)
             if not seq.sampling.greedy:
                 self.sampled_acceptance.record(tree, result.accepted)
             drafted = tree.num_nodes - 1
             seq.stats.record_step(drafted, result.num_accepted)
             self._step_tokens += result.num_accepted + 1
-            new_tokens = [tree.token_list[a] for a in result.accepted[1:]] + [result.bonus_token]
-            self._append_tokens(seq, new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
-        self.last_timings = StepTimings(t1 - t0, t2 - t1, rollback, events)
+            self._append_tokens(seq, step.new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
 
     def _graphed_steps(self, budget: TreeBudget) -> list[GraphedTreeStep]:
         """The device-resident tree steps that serve ``budget`` (greedy, sampled), the one that
@@ -1325,123 +1244,10 @@ class LLMEngine:
             return static.run(ids, batch)
         return self.model.forward_target(ids, batch, self.pool.kv_cache)
 
-    def _sampled_shape(self, budget: TreeBudget, seqs: list[Sequence]) -> TreeShape | None:
-        """Planned shape for sampled trees, re-planned as live statistics accumulate."""
-        if all(seq.sampling.greedy for seq in seqs):
-            return None
-        steps = self.sampled_acceptance.num_steps
-        key = (budget, steps // 256 if steps >= LIVE_STATS_MIN_STEPS else -1)
-        if self._shape_cache is None or self._shape_cache[0] != key:
-            snapshot = self.sampled_acceptance.snapshot() if key[1] >= 0 else None
-            self._shape_cache = (key, sampled_tree_shape(budget, snapshot))
-        return self._shape_cache[1]
-
-    def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
-        params = seq.sampling
-        if params.has_penalties:
-            base = token_counts([seq.output_ids], self.model_config.vocab_size, logits.device)[0]
-            counts = tree.path_token_counts(base)
-            pres = torch.full((tree.num_nodes,), float(params.presence_penalty))
-            freq = torch.full((tree.num_nodes,), float(params.frequency_penalty))
-            logits = apply_penalties(logits, counts, pres, freq)
-        if params.greedy:
-            return verify_greedy(tree, logits.argmax(dim=-1))
-        n = tree.num_nodes
-        probs = probs_from_logits(
-            logits,
-            torch.full((n,), float(params.temperature)),
-            torch.full((n,), int(params.top_k), dtype=torch.long),
-            torch.full((n,), float(params.top_p)),
-        )
-        return verify_sampling(tree, probs, seq.generator)
-
-    def _compact(
-        self, src: list[torch.Tensor], dst: list[torch.Tensor], zero: list[torch.Tensor]
-    ) -> None:
-        """One fused call for the batch: move accepted target KV down, zero rejected slots."""
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        main_layers = self.pool.kv_cache[: self.model_config.num_hidden_layers]
-        compact_and_zero(
-            main_layers,
-            torch.cat(src) if src else empty,
-            torch.cat(dst) if dst else empty,
-            torch.cat(zero) if zero else empty,
-        )
-
     # ------------------------------------------------------------------ tokens and finishing
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per row of ``logits`` [B, V]: rows without penalties drawn on the device
-        in one read (``_draw_rows``); rows with penalties one by one."""
-        plain = [i for i, s in enumerate(seqs) if not s.sampling.has_penalties]
-        out: list[int | None] = [None] * len(seqs)
-        if plain:
-            everyone = len(plain) == len(seqs)
-            tokens, ok = self._draw_rows(seqs if everyone else [seqs[i] for i in plain],
-                                         logits if everyone else logits[plain])  # fmt: skip
-            for i, token in zip(plain, _read_drawn(tokens, ok), strict=True):
-                out[i] = token
-        return [
-            token if token is not None else self._sample_one(seqs[i], logits[i])
-            for i, token in enumerate(out)
-        ]
-
-    def _draw_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens [B] of ``seqs`` (none with penalties) left on the device: greedy rows the
-        argmax, sampled rows one batched draw (seeded requests from their own generators, the
-        others from the device's default generator, in one kernel); and whether each row had
-        probability mass [B] bool (None: all greedy)."""
-        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
-        if not sampled:
-            return logits.argmax(dim=-1), None
-        everyone = len(sampled) == len(seqs)
-        # The whole batch needs no row selection (an index copied to the device, a gather).
-        index = None if everyone else to_device(int_tensor(sampled), logits.device)  # [S]
-        rows = logits if index is None else logits.index_select(0, index)  # [S, V]
-        drawn, ok = self._draw_sampled(rows, [seqs[i] for i in sampled])  # [S] x2
-        if index is None:
-            return drawn, ok
-        every_ok = torch.ones(len(seqs), dtype=torch.bool, device=logits.device).index_copy(0, index, ok)
-        return logits.argmax(dim=-1).index_copy(0, index, drawn), every_ok
-
-    @staticmethod
-    def _draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row of ``rows`` [S, V] (every sequence samples) [S] and whether its law
-        had mass [S] bool. The law (top-k / top-p where a request uses them) and, from the
-        device's default generator, the race over the noise ``draw_rows`` would draw, in one
-        fused kernel on the GPU (``race_draw``); a batch with seeded rows takes the law alone and
-        ``draw_rows`` with each seeded request's generator."""
-        params = [s.sampling for s in seqs]
-        filters: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
-            st = SamplingTensors.from_params(params, rows.device)  # one copy
-            temperature, filters = st.temperature, (st.top_k, st.top_p)
-        else:  # one copy of the temperatures alone (a host-bound step's fewest kernels)
-            temperature = to_device(torch.tensor([p.temperature for p in params]), rows.device)  # [S]
-        if all(p.seed is None for p in params):
-            _, keys, tokens = race_draw(rows, temperature, 1, 1, None, *filters)  # [S, 1] x2
-            return tokens[:, 0], keys[:, 0] > 0
-        law = race_draw(rows, temperature, 1, 0, None, *filters)[0]  # [S, V]
-        return draw_rows(law, [s.generator if s.sampling.seed is not None else None for s in seqs])
-
-    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
-        params = seq.sampling
-        if params.has_penalties:
-            counts = token_counts([seq.output_ids], self.model_config.vocab_size, logits.device)
-            logits = apply_penalties(
-                logits[None],
-                counts,
-                torch.tensor([float(params.presence_penalty)]),
-                torch.tensor([float(params.frequency_penalty)]),
-            )[0]
-        if params.greedy:
-            return int(logits.argmax())
-        probs = probs_from_logits(
-            logits[None],
-            torch.tensor([float(params.temperature)]),
-            torch.tensor([int(params.top_k)]),
-            torch.tensor([float(params.top_p)]),
-        )[0]
-        return sample_from_probs(probs, seq.generator)
+        """One token per row of ``logits`` [B, V], read (``engine.token_draw.sample_tokens``)."""
+        return sample_tokens(seqs, logits, self.model_config.vocab_size)
 
     def _append_tokens(
         self,
@@ -1597,47 +1403,3 @@ def _eos_ids(folder: Path, cfg: ModelConfig) -> frozenset[int]:
     if not isinstance(value, list):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
     return frozenset(int(v) for v in value)
-
-
-def _stage_drawn(tokens: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start the copy of tokens drawn on the device (``LLMEngine._draw_rows``) to the host,
-    without waiting: work queued on the device after it does not delay their read
-    (``_read_staged``). Returns the host rows (``_packed_draw``) and the copy's event (None on
-    a CPU, where the copy is done)."""
-    packed = _packed_draw(tokens, ok)
-    if not packed.is_cuda:
-        return packed, None
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied
-
-
-def _read_staged(host: torch.Tensor, copied: torch.cuda.Event | None) -> list[int]:
-    """The tokens ``_stage_drawn`` started copying, once copied (checked as ``_read_drawn``)."""
-    if copied is not None:
-        copied.synchronize()
-    return _checked_draw(host.tolist())
-
-
-def _packed_draw(tokens: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
-    """Tokens [B] and whether each row had probability mass [B] (None: all greedy) as one
-    tensor [1 or 2, B], read in one copy."""
-    return tokens[None] if ok is None else torch.stack([tokens, ok.long()])
-
-
-def _checked_draw(packed: list[list[int]], rows: list[int] | None = None) -> list[int]:
-    """The tokens of a read ``_packed_draw`` (those of ``rows`` only if given); a sampled row
-    without probability mass is an error."""
-    if rows is not None:
-        packed = [[line[r] for r in rows] for line in packed]
-    if len(packed) > 1 and not all(packed[1]):
-        raise ValueError("probs has a row with no positive mass")
-    return packed[0]
-
-
-def _read_drawn(tokens: torch.Tensor, ok: torch.Tensor | None, rows: list[int] | None = None) -> list[int]:
-    """Read tokens drawn on the device (``LLMEngine._draw_rows``) in one copy, those of
-    ``rows`` only if given; a sampled row read without probability mass is an error."""
-    return _checked_draw(_packed_draw(tokens, ok).tolist(), rows)

@@ -1,8 +1,11 @@
-"""What the engine hands back: per-request outputs, speculative statistics, zeroing events."""
+"""What the engine hands back: per-request outputs, speculative statistics, zeroing events,
+the last step's timings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -101,3 +104,25 @@ class ZeroEvent:
     session_id: str | None
     blocks: int
     bytes: int
+
+
+@dataclass
+class StepTimings:
+    """Timings of the last step (seconds), for benchmarks.
+
+    ``draft`` and ``verify`` are host clock. On CUDA the rollback (compaction) is timed with CUDA
+    events and only resolved when read, so the decode loop never waits for it.
+    """
+
+    draft: float = 0.0
+    verify: float = 0.0
+    rollback_host: float = 0.0
+    rollback_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    @property
+    def rollback(self) -> float:
+        if self.rollback_events is None:
+            return self.rollback_host
+        start, end = self.rollback_events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3

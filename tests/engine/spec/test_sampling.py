@@ -183,33 +183,33 @@ def test_batched_rows_draw_what_single_rows_draw() -> None:
 
 
 def test_batched_rows_reject_rows_without_mass() -> None:
-    """``draw_rows`` flags a row without mass; reading the draw (``_read_drawn``) refuses it."""
-    from engine.llm_engine import _read_drawn
+    """``draw_rows`` flags a row without mass; reading the draw (``read_drawn``) refuses it."""
     from engine.sampling import draw_rows, make_generator
+    from engine.token_draw import read_drawn
 
     probs = torch.zeros(2, 4)
     probs[0, 1] = 1.0
     tokens, ok = draw_rows(probs, [make_generator(0), make_generator(1)])
     assert ok.tolist() == [True, False]
-    assert _read_drawn(tokens, ok, [0]) == [1]
+    assert read_drawn(tokens, ok, [0]) == [1]
     with pytest.raises(ValueError, match="no positive mass"):
-        _read_drawn(tokens, ok)
+        read_drawn(tokens, ok)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_staged_read_of_drawn_tokens_gives_them_and_refuses_rows_without_mass(device: str) -> None:
-    """``_stage_drawn`` / ``_read_staged`` (the prefill's early catch-up reads its first tokens
-    so): the same tokens as ``_read_drawn``, greedy rows and sampled ones alike."""
-    from engine.llm_engine import _read_drawn, _read_staged, _stage_drawn
+    """``stage_drawn`` / ``read_staged`` (the prefill's early catch-up reads its first tokens
+    so): the same tokens as ``read_drawn``, greedy rows and sampled ones alike."""
+    from engine.token_draw import read_drawn, read_staged, stage_drawn
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     tokens = torch.tensor([3, 1, 4], device=device)
-    assert _read_staged(*_stage_drawn(tokens, None)) == _read_drawn(tokens, None) == [3, 1, 4]
+    assert read_staged(*stage_drawn(tokens, None)) == read_drawn(tokens, None) == [3, 1, 4]
     ok = torch.tensor([True, True, True], device=device)
-    assert _read_staged(*_stage_drawn(tokens, ok)) == [3, 1, 4]
+    assert read_staged(*stage_drawn(tokens, ok)) == [3, 1, 4]
     with pytest.raises(ValueError, match="no positive mass"):
-        _read_staged(*_stage_drawn(tokens, torch.tensor([True, False, True], device=device)))
+        read_staged(*stage_drawn(tokens, torch.tensor([True, False, True], device=device)))
 
 
 def test_seeded_rows_next_to_unseeded_ones_draw_what_they_draw_alone() -> None:

@@ -1,4 +1,4 @@
-"""LLMEngine._sample_rows: one token per row, whole batches without row selection, mixed
+"""engine.token_draw.sample_tokens: one token per row, whole batches without row selection, mixed
 batches by selection, penalties row by row."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.token_draw import draw_sampled, sample_tokens
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=4, temperature=0.7)
@@ -29,7 +30,7 @@ def test_each_row_gets_its_own_rule(dense_model_dir: Path) -> None:
     logits[torch.arange(4), torch.tensor(peaks)] = 30.0  # each row's mass on one token
     for params in ([GREEDY] * 4, [SAMPLED] * 4, [GREEDY, SAMPLED, PENALISED, SAMPLED]):
         seqs = _seqs(eng, params)
-        assert eng._sample_rows(seqs, logits) == peaks, params
+        assert sample_tokens(seqs, logits, vocab) == peaks, params
         for s in seqs:
             eng.abort_request(s.request_id)
 
@@ -40,12 +41,12 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     # Unseeded rows take the fused draw (race_draw); seeded rows the law and draw_rows. Over
     # the same default-generator state, the fused draw picks the tokens draw_rows picks from
     # the same law.
-    import engine.llm_engine as llm_engine
+    import engine.token_draw as token_draw
     from engine.sampling import draw_rows, temperature_softmax
 
     fused_calls: list[tuple[int, int]] = []  # (rows, draws) of each race_draw call
-    race_draw = llm_engine.race_draw
-    monkeypatch.setattr(llm_engine, "race_draw",
+    race_draw = token_draw.race_draw
+    monkeypatch.setattr(token_draw, "race_draw",
                         lambda x, t, per, k, *a: fused_calls.append((x.shape[0], k)) or race_draw(x, t, per, k, *a))
     eng = LLMEngine.from_pretrained(dense_model_dir, spec=SpecConfig(method="none"))
     vocab = eng.model_config.vocab_size
@@ -54,7 +55,7 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     seqs = _seqs(eng, [SamplingParams(max_tokens=4, temperature=t) for t in temps])
     for seed in range(20):
         torch.manual_seed(seed)
-        fused, ok = eng._draw_sampled(logits, seqs)
+        fused, ok = draw_sampled(logits, seqs)
         torch.manual_seed(seed)
         want, want_ok = draw_rows(temperature_softmax(logits, torch.tensor(temps)), [None] * len(temps))
         assert fused.tolist() == want.tolist() and ok.all() and want_ok.all()
@@ -62,7 +63,7 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     for s in seqs:
         eng.abort_request(s.request_id)
     top_k = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, top_k=1)])
-    assert eng._draw_sampled(logits[:1], top_k)[0].tolist() == [int(logits[0].argmax())]
+    assert draw_sampled(logits[:1], top_k)[0].tolist() == [int(logits[0].argmax())]
     assert fused_calls[20:] == [(1, 1)]  # top-k and top-p rows too, from the filtered law
     for s in top_k:
         eng.abort_request(s.request_id)
@@ -70,7 +71,7 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     drawn = []
     for seed in (0, 1):  # whatever the default generator's state: the request's own draws
         torch.manual_seed(seed)
-        token, ok = eng._draw_sampled(logits[:1], seeded)
+        token, ok = draw_sampled(logits[:1], seeded)
         assert ok.tolist() == [True]
         drawn.append(token.tolist())
         seeded[0].generator.manual_seed(3)  # as the request started
@@ -83,7 +84,7 @@ def test_a_sampled_row_with_no_mass_is_flagged(dense_model_dir: Path) -> None:
     vocab = eng.model_config.vocab_size
     logits = torch.zeros(2, vocab)
     logits[1] = float("nan")  # a broken row: no law to draw from
-    _, ok = eng._draw_sampled(logits, _seqs(eng, [SAMPLED, SAMPLED]))
+    _, ok = draw_sampled(logits, _seqs(eng, [SAMPLED, SAMPLED]))
     assert ok.tolist() == [True, False]
 
 
