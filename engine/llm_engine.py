@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -29,6 +28,7 @@ from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.draft_layer import DraftLayer, draft_layers
 from engine.model.loader import load_model, parse_dtype
+from engine.model.tokenizer_files import eos_token_ids, load_tokenizer
 from engine.outputs import RequestOutput, StepTimings, ZeroEvent
 from engine.params import DEFAULT_PREFILL_CHUNK, EngineConfig, SamplingParams, SpecConfig
 from engine.sampling import make_generator
@@ -37,11 +37,8 @@ from engine.sequence import SeqStatus, Sequence
 from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
-from engine.spec.defaults import (
-    chain_budgets,
-    resolve_budget,
-    sampled_tree_shape,
-)
+from engine.spec.batch_choice import BatchChoice
+from engine.spec.defaults import chain_budgets, resolve_budget, sampled_tree_shape
 from engine.spec.device_tree import warm_race_draw
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
 from engine.spec.graphed_catch_up import GraphedCatchUp
@@ -55,8 +52,6 @@ from engine.token_draw import draw_tokens, read_drawn, read_staged, sample_token
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
-AR_LATCH_MIN_BATCH = 64  # adaptive: a closed batch this large decoding autoregressively latches
-SUMMARY_REFRESH = 32  # adaptive: steps an updated batch summary stands before it is re-read
 # Adaptive: steps without a new request after which the running batch counts as closed (it
 # only shrinks), unless the caller said so from the start (``LLMEngine.closed_workload``).
 QUIET_STEPS_FOR_CLOSED = 32
@@ -64,17 +59,6 @@ QUIET_STEPS_FOR_CLOSED = 32
 # driven offline, which never drains, keeps only the newest.
 MAX_ZERO_EVENTS = 4096
 NO_TOKEN_IDS: frozenset[int] = frozenset()  # the EOS ids of a request that ignores EOS
-
-
-class _BatchSummary(NamedTuple):
-    """What adaptive speculation reads of a decode batch (see ``LLMEngine._decode_summary``)."""
-
-    key: tuple[int, int]  # (scheduler version, batch size): the batch it describes
-    lag: int  # rows the MTP modules are behind
-    left: float  # tokens each sequence may still generate, on average
-    sampled: bool
-    age: int  # autoregressive steps since it was read from the batch
-    exact: bool = False  # re-read after SUMMARY_REFRESH steps: its updates stay exact
 
 
 class LLMEngine:
@@ -136,6 +120,8 @@ class LLMEngine:
         self._hidden_log = HiddenLog()
         self.acceptance = AcceptanceCounter()
         self.sampled_acceptance = AcceptanceCounter()  # sampled trees only: their shape's input
+        # Each decode step's budget (adaptive speculation's choice is carried over cheap steps).
+        self.batch_choice = BatchChoice(self)
         self.last_timings = StepTimings()
         self.static_forward: StaticTargetForward | None = None
         self.graphed_tree: GraphedGreedyTree | None = None
@@ -205,19 +191,8 @@ class LLMEngine:
         # Adaptive: the last decode step's budget when it drafted (None: it decoded
         # autoregressively, or nothing yet): new prompts are then caught up in their prefill.
         self._last_drafting: TreeBudget | None = None
-        # Adaptive: whether the fill under way (steps that each prefill) has chosen the drafting
-        # arm its prompts are caught up for in their prefill, and that arm (None: none): its
-        # later chunks follow its first one.
-        self._fill_asked = False
-        self._fill_catch_up: TreeBudget | None = None
         self._step_caught_up = False  # this step caught the MTP modules up first (not steady)
         self._catch_up_s: float | None = None  # the graphed path times its catch-up alone
-        # Adaptive: the batch summary after an autoregressive step, for the next step's choice.
-        self._summary: _BatchSummary | None = None
-        # Adaptive: a closed batch that chose autoregressive decoding while behind, (scheduler
-        # version, batch size, sampled): its steps decode autoregressively with no choice made
-        # until the batch changes (``_choose_budget``).
-        self._ar_latch: tuple[int, int, bool] | None = None
         # Tokens this step's decode produced before max_tokens / stop truncation: what the
         # chosen speculation (or none) delivers, the measure the adaptive controller compares.
         self._step_tokens = 0
@@ -296,8 +271,8 @@ class LLMEngine:
         timer = StartupTimer(torch_device)
         with timer.stage("load_weights"):
             model = load_model(folder, dtype=parse_dtype(dtype), device=torch_device)
-        tokenizer = _load_tokenizer(folder)
-        eos = _eos_ids(folder, model.config)
+        tokenizer = load_tokenizer(folder)
+        eos = eos_token_ids(folder, model.config)
         engine = cls(model, tokenizer, eos, spec or SpecConfig(), engine_config or EngineConfig(), torch_device)
         engine.use_acceptance_prior(folder)
         engine.startup_seconds = {**timer.seconds, **engine.startup_seconds}
@@ -478,9 +453,7 @@ class LLMEngine:
         self.last_timings = StepTimings()
         self.last_decode_budget = None
         self._last_drafting = None
-        self._fill_asked, self._fill_catch_up = False, None
-        self._summary = None
-        self._ar_latch = None
+        self.batch_choice.reset()
         self._yield_clock = (0, 0.0)
         self._steps_since_arrival = 0
         self._zero_events.clear()
@@ -502,26 +475,8 @@ class LLMEngine:
         measured filling step (a whole engine step that prefilled and decoded) per decode batch
         bucket, what a filling step's choice is made by."""
         snapshot = self.acceptance.snapshot()
-        if self.adaptive is not None and self.adaptive.arms.spread.ready:
-            snapshot["relative_yields"] = list(self.adaptive.arms.spread.quantiles())
         if self.adaptive is not None:
-            costs = self.adaptive.arms.cost_table()
-            if costs:
-                snapshot["arm_costs"] = [
-                    {"batch_size": cost.rows, "sampled": sampled, "arm": budget_label(arm),
-                     "topk": arm.topk if arm.speculates else 0, "depth": arm.depth,
-                     "num_draft_tokens": arm.num_draft_tokens, "step_seconds": cost.seconds,
-                     "tokens_per_seq": self.adaptive.arms.tokens_per_seq(sampled, arm, cost),
-                     "steps": cost.count}
-                    for sampled, arm, cost in costs
-                ]  # fmt: skip
-            fills = self.adaptive.arms.fill_cost_table()
-            if fills:
-                snapshot["fill_costs"] = [
-                    {"batch_size": cost.rows, "sampled": sampled, "arm": budget_label(arm),
-                     "step_seconds": cost.seconds, "steps": cost.count}
-                    for sampled, arm, cost in fills
-                ]  # fmt: skip
+            snapshot.update(self.adaptive.snapshot())
         return snapshot
 
     # ------------------------------------------------------------------ generation
@@ -597,7 +552,7 @@ class LLMEngine:
                 self._hidden_log.flush()
             self._prefill(plan.prefill, outputs)
         else:
-            self._fill_asked, self._fill_catch_up = False, None  # a step without a prefill ends a fill
+            self.batch_choice.end_fill()  # a step without a prefill ends a fill
         decode = [s for s in plan.decode if s.status is SeqStatus.RUNNING]
         if plan.prefill and not plan.decode and self.launch_after_prefill:
             self._launch_after_prefill()
@@ -607,7 +562,7 @@ class LLMEngine:
         self._step_tokens = 0
         if decode:
             closed = not plan.prefill and self._batch_closed()
-            budget, lag, sampled = self._choose_budget(decode, bool(plan.prefill), closed)
+            budget, lag, sampled = self.batch_choice.choose(decode, bool(plan.prefill), closed)
             self.last_decode_budget = budget_label(budget)
             self._last_drafting = budget if budget.speculates else None
             # A decode step next to a prefill is not timed: timing it alone would mean waiting
@@ -699,8 +654,7 @@ class LLMEngine:
         if self.drafter is not None and self.drafter.static_catch_up is not None:
             self.drafter.static_catch_up.reset()
         self._last_runner = self._last_drafting = None
-        self._fill_asked, self._fill_catch_up = False, None
-        self._summary = self._ar_latch = None
+        self.batch_choice.reset()
         self._step_caught_up, self._catch_up_s = False, None
         return frozenset(seq.request_id for seq in batch)
 
@@ -779,7 +733,7 @@ class LLMEngine:
         (else the next step chooses anew). None if none of them decodes any more: this engine
         step then takes the usual course."""
         self._ahead, since = None, self._ahead_since
-        self._fill_asked, self._fill_catch_up = False, None  # no prefill in this step: any fill has ended
+        self.batch_choice.end_fill()  # no prefill in this step: any fill has ended
         runner = launched if isinstance(launched, GraphedTreeStep) else None
         batch = launched.seqs if isinstance(launched, ARLaunch) else launched.launched_ahead
         assert batch is not None
@@ -797,7 +751,7 @@ class LLMEngine:
         sampled = False
         chosen = budget
         if self.adaptive is not None:
-            chosen, _, sampled = self._choose_budget(seqs, False, closed)
+            chosen, _, sampled = self.batch_choice.choose(seqs, False, closed)
             ahead = ahead and chosen == budget
         if isinstance(launched, ARLaunch):
             self._autoregressive_step(seqs, outputs, ahead, launched)
@@ -855,73 +809,6 @@ class LLMEngine:
             if self._stream is None:  # looked up once: the lookup is most of a call's host time
                 self._stream = torch.cuda.current_stream(self.device)
             self._stream.synchronize()
-
-    def _choose_budget(
-        self, seqs: list[Sequence], filling: bool = False, closed: bool = False
-    ) -> tuple[TreeBudget, int, bool]:
-        """This step's budget, the rows the MTP modules are behind, whether any sequence samples
-        (the last two only for adaptive speculation). ``filling``: requests are being prefilled
-        in this step (they join the batch); ``closed``: none is waiting or in prefill.
-
-        After an autoregressive step over the same batch the summary is updated, not re-read
-        (every sequence one row further behind, one token fewer left): at large batches, where
-        autoregressive steps are chosen, per-sequence host work is what a step costs beyond the
-        baseline's. It is re-read every ``SUMMARY_REFRESH`` steps (the update over-counts the
-        rows of sequences within a steady step's catch-up slack), once: by then every sequence
-        is past its slack, and each autoregressive step adds exactly one row per sequence (the
-        re-read of 256 sequences every 32 steps cost ~11 us a step on a 2-core host)."""
-        if self.adaptive is None:
-            return self.budget, 0, False
-        key = (self.scheduler.version, len(seqs))
-        latch = self._ar_latch
-        if latch is not None and not filling and latch[:2] == key:
-            self.adaptive.steps_per_arm[NO_SPEC] += 1
-            return NO_SPEC, 0, latch[2]
-        self._ar_latch = None
-        summary = self._summary
-        if summary is None or summary.key != key or (summary.age >= SUMMARY_REFRESH and not summary.exact):
-            summary = _BatchSummary(key, *self._decode_summary(seqs), age=0,
-                                    exact=summary is not None and summary.key == key)  # fmt: skip
-        filled = None
-        if filling:  # the batch it is headed for: running (prefilling too) and waiting requests
-            filled = min(len(self.scheduler.running) + self.scheduler.num_waiting, self.config.max_batch_size)
-        budget = self.adaptive.choose(
-            self, len(seqs), summary.sampled, summary.lag, summary.left, filling, closed, filled_batch=filled
-        )
-        self._summary = None if budget.speculates else summary._replace(
-            lag=summary.lag + len(seqs), left=summary.left - 1, age=summary.age + 1
-        )
-        if (not budget.speculates and closed and not filling and summary.lag > 0
-                and len(seqs) >= AR_LATCH_MIN_BATCH and self.adaptive.forced is None):  # fmt: skip
-            # Latched: a large closed batch behind its MTP modules that decodes
-            # autoregressively stays so until it changes (a sequence finishes): each step puts
-            # it one row per sequence further behind with one token fewer left, so a switch
-            # only pays less. Its steps then skip the batch summary and the choice (the H200's
-            # batch 256 decoding autoregressively ran 3% (greedy) and 7% (T=0.7) slower than
-            # the baseline, its steps host-bound, session 33). They are still measured: left to
-            # the dear steps around a batch change, the autoregressive cost rose to 1.9 ms at
-            # batch 256, and batches of 64-256 drafted where they lost. Small batches keep
-            # choosing: their choice costs little, and a run there re-measures a yield cheaply
-            # (``MeasuredArms._relearn``).
-            self._ar_latch = (*key, summary.sampled)
-        return budget, summary.lag, summary.sampled
-
-    def _decode_summary(self, seqs: list[Sequence]) -> tuple[int, float, bool]:
-        """What the adaptive choice needs, in one pass over the batch (per-step host work grows
-        with the batch): rows the MTP modules are behind beyond a steady speculative step's
-        catch-up (the prompts of new requests, the tokens of autoregressive steps), tokens each
-        sequence may still generate on average, and whether any sequence samples."""
-        slack = steady_catch_up_rows(self.budget.depth) + 1  # and the pending token
-        lag = left = 0
-        sampled = False
-        for s in seqs:
-            n, sampling = len(s.tokens), s.sampling
-            behind = n - slack - s.mtp_committed[0]
-            if behind > 0:
-                lag += behind
-            left += sampling.max_tokens - n + s.output_start
-            sampled = sampled or not sampling.greedy
-        return lag, left / len(seqs), sampled
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, work: list[tuple[Sequence, int]], outputs: list[RequestOutput]) -> None:
@@ -982,41 +869,7 @@ class LLMEngine:
         step would draft. Early (``EngineConfig.early_catch_up``) their first tokens are not in
         the sequences yet: module 1 stops one row earlier (two short of the prompt's end),
         which the first drafting step catches up with its own rows."""
-        # Catch the MTP modules up over the prompt now, so that the first decode step can
-        # already take a device step. Adaptive engines leave it to the first speculative
-        # step (where autoregressive decoding wins it is never paid, and while a batch
-        # fills its choice weighs the catch-up), unless their last decode step drafted and
-        # nothing else is joining the batch (a request arriving alone at a drafting batch),
-        # or the batch being filled would draft once full, its catch-up counted.
-        # (Caught up in every prefill, the H200's closed batch of 256 drafted as it filled,
-        # its catch-ups uncounted: 0.85x autoregressive decoding.)
-        drafting: TreeBudget | None = self.budget
-        if self.adaptive is not None:
-            # Alone: nothing waits and no other request is still in its prefill (a batch
-            # admitted at once fills over several chunks: caught up at its first, the H200's
-            # batch 256 drafted at 64, 128 and 192 sequences, catching each chunk up in turn,
-            # then decoded autoregressively: 19 ms of a 160 ms round for nothing).
-            # And the batch it joins has been decoding: after a prefill-only step the last
-            # decode step's choice is another batch's (the H200's batch 128 fills in two
-            # chunks: its second was caught up or not as the previous batch's last step had
-            # drafted, and if not, the first drafting step caught 64 prompts up in ~6.5 ms,
-            # against ~2.3 ms in the prefill).
-            # (Sequences in prefill have taken no decode step: ``num_steps`` counts a turn's.)
-            # Asked once per fill: its later chunks follow its first, whatever the last
-            # decode step chose. A fill that drafts after its first chunks and leaves its
-            # last to the first full step pays that catch-up there (the H200's batch 256: a
-            # filling step decoded autoregressively, so its last chunk, "alone", was not
-            # caught up, and the first full step took 22 ms against ~6); and each question
-            # reads the whole batch (~0.3 ms at 256), as "alone" does (so it is read only
-            # for the question).
-            if not self._fill_asked:
-                just = set(map(id, prefilled))  # in prefill until their first tokens, read next
-                alone = (not self.scheduler.num_waiting and whole_chunk
-                         and not any(s.in_prefill for s in self.scheduler.running if id(s) not in just)
-                         and any(s.stats.num_steps for s in self.scheduler.running))  # fmt: skip
-                self._fill_asked = True
-                self._fill_catch_up = self._last_drafting if alone else self._filled_batch_drafts()
-            drafting = self._fill_catch_up
+        drafting = self.batch_choice.prompt_catch_up_arm(prefilled, whole_chunk, self._last_drafting)
         runners = self._graphed_steps(drafting) if drafting is not None else []
         if runners and self.drafter is not None:
             # (Early, a request whose first token ends it is caught up for nothing, unless it
@@ -1028,20 +881,6 @@ class LLMEngine:
             ]  # fmt: skip
             if ready:
                 self.drafter.catch_up(ready)
-
-    def _filled_batch_drafts(self) -> TreeBudget | None:
-        """The drafting arm the batch being filled (the running sequences and those waiting,
-        up to the batch limit) would switch to once full, its MTP catch-up over every prompt
-        counted (``AdaptiveController.drafting_arm``); None if it would decode
-        autoregressively. Where it drafts, each prefill chunk's prompts are caught up as they
-        are prefilled: on the H200 64 prompts of 64 tokens took ~3 ms more in their prefill,
-        against ~16 ms for the catch-up of 256 in the drafting step after the fill."""
-        assert self.adaptive is not None
-        seqs = [*self.scheduler.running, *self.scheduler.waiting][: self.config.max_batch_size]
-        if not seqs:  # the prefill's first tokens ended every request (a stop id, max_tokens 1)
-            return None
-        lag, left, sampled = self._decode_summary(seqs)
-        return self.adaptive.drafting_arm(self, len(seqs), sampled, lag, left, self.closed_workload)
 
     # ------------------------------------------------------------------ decode
     def _autoregressive_step(
@@ -1104,7 +943,7 @@ class LLMEngine:
         if (not seqs or any(s.status is not SeqStatus.RUNNING or s.in_prefill for s in seqs)
                 or not self._may_launch_ahead(seqs) or not may_continue(seqs, 1)):  # fmt: skip
             return
-        drafting = self._fill_catch_up if self.adaptive is not None else self.budget
+        drafting = self.batch_choice.fill_arm if self.adaptive is not None else self.budget
         if drafting is not None and drafting.speculates:
             self._launch_graphed(drafting, seqs)
         elif self._may_launch_ahead_autoregressive(seqs):
@@ -1377,29 +1216,3 @@ class LLMEngine:
         if self._released:
             self.pool.free(self._released)
             self._released = []
-
-
-def _load_tokenizer(folder: Path) -> object | None:
-    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer  # noqa: PLC0415 (heavy import, only when needed)
-
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-
-
-def _eos_ids(folder: Path, cfg: ModelConfig) -> frozenset[int]:
-    import json  # noqa: PLC0415
-
-    value: object = None
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-    if value is None:
-        value = cfg.eos_token_id
-    if value is None:
-        return frozenset()
-    if isinstance(value, int):
-        return frozenset({value})
-    if not isinstance(value, list):
-        raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
-    return frozenset(int(v) for v in value)

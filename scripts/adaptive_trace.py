@@ -45,7 +45,7 @@ from engine.spec.adaptive import budget_label
 
 def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
     """Wrap ``eng.step`` to append one entry per decode step: budget:batch:lag:ms."""
-    choose, step = eng._choose_budget, eng.step
+    choose, step = eng.batch_choice.choose, eng.step
     last: list[tuple[str, int, int, bool]] = []
 
     def choose_traced(seqs, filling=False, closed=False):  # type: ignore[no-untyped-def]
@@ -67,7 +67,7 @@ def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
     # The fill's question (does the batch being filled draft once full?): its answer and the
     # terms weighed, ``?arm[save/(cu+drain)*margin ms]``, or ``?none`` when nothing was weighed.
     asked: list[str] = []
-    filled_drafts = eng._filled_batch_drafts
+    filled_drafts = eng.batch_choice.filled_batch_drafts
 
     def filled_drafts_traced():  # type: ignore[no-untyped-def]
         arms = eng.adaptive.arms if eng.adaptive is not None else None
@@ -82,7 +82,7 @@ def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
         asked.append(f"?{'none' if answer is None else budget_label(answer)}{terms}")
         return answer
 
-    eng._filled_batch_drafts = filled_drafts_traced  # type: ignore[method-assign]
+    eng.batch_choice.filled_batch_drafts = filled_drafts_traced  # type: ignore[method-assign]
 
     def step_traced():  # type: ignore[no-untyped-def]
         last.clear()
@@ -104,7 +104,7 @@ def _traced(eng: LLMEngine, trace: list[str], probe: StallProbe) -> None:
             trace.append(f"P{len(outs)}{f'+cu{sum(caught_up)}' if caught_up else ''}:{ms:.1f}{stalls}")
         return outs
 
-    eng._choose_budget = choose_traced  # type: ignore[method-assign]
+    eng.batch_choice.choose = choose_traced  # type: ignore[method-assign]
     eng.step = step_traced  # type: ignore[method-assign]
 
 

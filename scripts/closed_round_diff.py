@@ -164,9 +164,9 @@ def main() -> None:
                     for arm in arms:
                         controller.observe(size, arm, 1.0, 2 * size, sampled)
         if args.no_latch:
-            import engine.llm_engine
+            import engine.spec.batch_choice
 
-            engine.llm_engine.AR_LATCH_MIN_BATCH = 1 << 30
+            engine.spec.batch_choice.AR_LATCH_MIN_BATCH = 1 << 30
     else:
         controller.forced = NO_SPEC  # every step autoregressive, no prompt caught up
     engines = {"ar": base, "adaptive-ar": adaptive}

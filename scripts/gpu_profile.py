@@ -203,7 +203,8 @@ def _step_phases(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> d
         setattr(owner, name, run)
 
     timed(eng.scheduler, "schedule")
-    for name in ("_choose_budget", "_split_graphed", "_graphed_step"):
+    timed(eng.batch_choice, "choose")
+    for name in ("_split_graphed", "_graphed_step"):
         timed(eng, name)
     for name in ("run", "_load_inputs"):
         timed(g, name)
@@ -217,15 +218,15 @@ def _step_phases(eng: LLMEngine, prompts: list[list[int]], steps: int = 12) -> d
     total = time.perf_counter() - t0
     for rid in list(eng._requests):
         eng.abort_request(rid)
-    for owner, names in ((eng.scheduler, ["schedule"]), (eng, ["_choose_budget", "_split_graphed", "_graphed_step"]),
-                         (g, ["run", "_load_inputs", "_finish"])):  # fmt: skip
+    for owner, names in ((eng.scheduler, ["schedule"]), (eng.batch_choice, ["choose"]),
+                         (eng, ["_split_graphed", "_graphed_step"]), (g, ["run", "_load_inputs", "_finish"])):  # fmt: skip
         for name in names:
             delattr(owner, name)  # the class's methods again
     ms = {k: v / steps * 1e3 for k, v in spent.items()}
     row = {
         "step": total / steps * 1e3,
         "schedule": ms["schedule"],
-        "choose": ms["_choose_budget"],
+        "choose": ms["choose"],
         "split_batch": ms["_split_graphed"],
         "load_inputs": ms["_load_inputs"],
         "launch": ms["run"] - ms["_load_inputs"] - ms["device_wait"] - ms["_finish"],

@@ -106,6 +106,32 @@ class AdaptiveController:
         """The chain arms of sampled (or greedy) batches."""
         return self._chains[sampled]
 
+    def snapshot(self) -> dict[str, object]:
+        """What the controller has measured, for ``LLMEngine.acceptance_snapshot``:
+        ``relative_yields`` (once enough sequences finished), ``arm_costs`` and ``fill_costs``
+        (once any step was measured)."""
+        out: dict[str, object] = {}
+        arms = self.arms
+        if arms.spread.ready:
+            out["relative_yields"] = list(arms.spread.quantiles())
+        costs = arms.cost_table()
+        if costs:
+            out["arm_costs"] = [
+                {"batch_size": cost.rows, "sampled": sampled, "arm": budget_label(arm),
+                 "topk": arm.topk if arm.speculates else 0, "depth": arm.depth,
+                 "num_draft_tokens": arm.num_draft_tokens, "step_seconds": cost.seconds,
+                 "tokens_per_seq": arms.tokens_per_seq(sampled, arm, cost), "steps": cost.count}
+                for sampled, arm, cost in costs
+            ]  # fmt: skip
+        fills = arms.fill_cost_table()
+        if fills:
+            out["fill_costs"] = [
+                {"batch_size": cost.rows, "sampled": sampled, "arm": budget_label(arm),
+                 "step_seconds": cost.seconds, "steps": cost.count}
+                for sampled, arm, cost in fills
+            ]  # fmt: skip
+        return out
+
     def calibrate_arms(self, engine: LLMEngine) -> None:
         """Time every captured arm at every batch bucket now (``engine.spec.arm_calibration``)
         and start from those step times: no run of an arm is needed to learn what a step of it
@@ -382,7 +408,7 @@ def calibrate_catch_up(
     if prompts is None:
         prompts = (1, 4) if engine.device.type == "cpu" else (1, 16, 64)
     cfg = engine.model_config
-    # Rows the engine counts as behind exclude a steady step's (``_decode_summary``).
+    # Rows the engine counts as behind exclude a steady step's (``engine.spec.batch_choice.summarize``).
     slack = steady_catch_up_rows(engine.budget.depth)
     # Within the context (a short one has short prompts to catch up over anyway).
     rows_per_prompt = min(rows_per_prompt, engine.max_model_len - slack - 2)

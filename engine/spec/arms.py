@@ -651,7 +651,7 @@ class MeasuredArms:
         calibrated cost had to clear a margin of 1.5 (the H200's chain at batch 256 once ran 6.4
         ms steps against 3.9 calibrated; now 3.2 against 2.6, within 5% elsewhere), and the
         margin kept the arm from ever running, so from ever being served: a closed batch that
-        decodes autoregressively is latched so (``LLMEngine._ar_latch``), and an exploring run
+        decodes autoregressively is latched so (``BatchChoice.latch``), and an exploring run
         has to fit a share of the batch's horizon. The H200's batches 16-256 at T=0.7 decoded
         autoregressively for 630 steps each (0.95-0.99x) against a chain calibrated at 0.43-0.73
         of their cost per token, and batches 128 and 256 did so greedy in one sweep (0.94-0.95x)

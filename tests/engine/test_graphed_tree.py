@@ -163,7 +163,7 @@ def test_autoregressive_steps_in_between_keep_the_graphed_path_exact(small_vocab
     pattern = [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # 1 = speculate
     no_spec = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
     step = iter(range(10**6))
-    eng._choose_budget = lambda seqs, filling=False, closed=False: (  # type: ignore[method-assign]
+    eng.batch_choice.choose = lambda seqs, filling=False, closed=False: (  # type: ignore[method-assign]
         eng.budget if pattern[next(step) % len(pattern)] else no_spec, 0, False
     )
     caught_up = []

@@ -251,7 +251,7 @@ def test_adaptive_batch_summary_is_updated_after_autoregressive_steps(small_voca
     not re-read: tokens left exactly, rows behind at most a steady step's slack per sequence
     over; a batch that changes (a request finishes) is read afresh. It is re-read once after
     SUMMARY_REFRESH steps, when every sequence is past the slack: from then on it is exact."""
-    from engine.llm_engine import SUMMARY_REFRESH
+    from engine.spec.batch_choice import SUMMARY_REFRESH, summarize
 
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     assert eng.adaptive is not None
@@ -263,12 +263,12 @@ def test_adaptive_batch_summary_is_updated_after_autoregressive_steps(small_voca
     while eng.has_unfinished_requests():
         eng.step()
         running = [s for s in eng.scheduler.running if not s.in_prefill]
-        summary = eng._summary
+        summary = eng.batch_choice.summary
         if summary is None or not running:
             continue
         if summary.key != (eng.scheduler.version, len(running)):
             continue  # the batch changed: the next step reads it afresh
-        true_lag, true_left, true_sampled = eng._decode_summary(running)
+        true_lag, true_left, true_sampled = summarize(running, eng.budget.depth)
         assert summary.left == pytest.approx(true_left) and summary.sampled == true_sampled
         assert true_lag <= summary.lag <= true_lag + slack * len(running)
         if summary.exact:
@@ -677,7 +677,7 @@ def test_a_fill_whose_first_chunks_were_caught_up_catches_up_its_last(small_voca
     eng.step()  # r1's, and r0's first decode step
     assert ["r1"] in caught
     eng._last_drafting = None  # as if that step had decoded autoregressively
-    eng._filled_batch_drafts = lambda: None  # type: ignore[method-assign]  # and the question now said no
+    eng.batch_choice.filled_batch_drafts = lambda: None  # type: ignore[method-assign]  # and the question now said no
     eng.step()  # r2's, the fill's last chunk ("alone": nothing waits, the batch has decoded)
     assert ["r2"] in caught
     while eng.has_unfinished_requests():
