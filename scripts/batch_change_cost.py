@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.spec import graphed_tree
+from engine.spec import graphed_state
 from engine.spec.graphed_tree import GraphedTreeStep
 
 
@@ -41,7 +41,7 @@ def main() -> None:
             engine_config=EngineConfig(max_batch_size=args.batch, cuda_graphs=True, prefill_chunk_tokens=8192),
         )  # fmt: skip
         if args.reload:
-            graphed_tree._SteadyRows.rows_of = lambda self, seqs: [-1] * len(seqs)  # type: ignore[method-assign]
+            graphed_state.SteadyRows.rows_of = lambda self, seqs: [-1] * len(seqs)  # type: ignore[method-assign]
         split_ms, load_ms = _measure(eng, args.batch)
     path = "reload from the host" if args.reload else "survivors gathered on the device"
     print(f"{path}: {len(load_ms)} changed steps at >= {args.batch // 2} sequences; "

@@ -3,9 +3,9 @@
 Each drafting depth of ``engine.spec.graphed_tree`` runs a module over rows whose layout
 depends on the sequence's catch-up count ``c``: a precomputed table per ``c`` gives every row's
 position, slot-window index, query context and whether it stays in the cache, plus the rows'
-mask among themselves (``_RowPlan``). Turning the tables into the forwards' inputs (positions,
+mask among themselves (``engine.spec.graphed_rows.RowPlan``). Turning the tables into the forwards' inputs (positions,
 cache slots, context lengths, masks, query contexts, the slots to zero afterwards) took ~12
-small PyTorch kernels per depth (``_RowPlan.inputs_torch``). They depend only on the step's
+small PyTorch kernels per depth (``RowPlan.inputs_torch``). They depend only on the step's
 start (``L``, ``c`` and the slot window), not on any depth's results, so one launch at the
 step's start writes them for every depth.
 
@@ -94,7 +94,7 @@ def mtp_rows_triton(
     trash: int, columns: tuple[int, int, int, int, int], zero: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Every depth's (positions, slots, ctx lens [P, B], new masks, query ctx lens, slots to
-    zero), packed as the module docstring says (``_RowPlan.inputs_torch`` per depth);
+    zero), packed as the module docstring says (``RowPlan.inputs_torch`` per depth);
     ``meta``, ``mask``, ``params``: ``pack_row_tables``'s; ``rows``: each depth's R (as in
     ``params``); ``columns``: the tables' (POS, WIN, QON, QOFF, KEEP) columns; ``zero``: where
     to write the slots to zero ([B * sum R] int64 contiguous; None: a new tensor)."""

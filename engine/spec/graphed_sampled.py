@@ -47,7 +47,8 @@ from engine.spec.device_tree import (
     race_draw,
 )
 from engine.spec.drafter import TreeBudget
-from engine.spec.graphed_tree import DEFAULT_BUCKETS, GraphedTreeStep, _Buffers
+from engine.spec.graphed_state import BucketBuffers
+from engine.spec.graphed_tree import DEFAULT_BUCKETS, GraphedTreeStep
 
 
 class GraphedSampledTree(GraphedTreeStep):
@@ -111,7 +112,7 @@ class GraphedSampledTree(GraphedTreeStep):
     def serves(self, params: SamplingParams) -> bool:
         return not params.greedy and not params.has_penalties and params.seed is None
 
-    def _load_sampling(self, buf: _Buffers, seqs: list[Sequence]) -> None:
+    def _load_sampling(self, buf: BucketBuffers, seqs: list[Sequence]) -> None:
         n = len(seqs)
         params = [s.sampling for s in seqs]
         copy_to_device(buf.temperature[:n], torch.tensor([p.temperature for p in params]))
@@ -126,15 +127,15 @@ class GraphedSampledTree(GraphedTreeStep):
         logits was one more kernel per depth), else ``model.logits``."""
         return self.model.lm_head(hidden) if hidden.is_cuda else self.model.logits(hidden)
 
-    def _filters(self, buf: _Buffers) -> tuple[Tensor | None, Tensor | None]:
+    def _filters(self, buf: BucketBuffers) -> tuple[Tensor | None, Tensor | None]:
         """The batch's top-k and top-p per sequence, where some request uses them."""
         return (buf.top_k, buf.top_p) if self.variant else (None, None)
 
-    def _probs(self, buf: _Buffers, logits: Tensor) -> Tensor:  # [B, R, V] -> [B, R, V] float32
+    def _probs(self, buf: BucketBuffers, logits: Tensor) -> Tensor:  # [B, R, V] -> [B, R, V] float32
         B, R, V = logits.shape
         return race_draw(logits.reshape(B * R, V), buf.temperature, R, 0, None, *self._filters(buf))[0].view(B, R, V)
 
-    def _draw(self, buf: _Buffers, logits: Tensor, w: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _draw(self, buf: BucketBuffers, logits: Tensor, w: int) -> tuple[Tensor, Tensor, Tensor]:
         """Each row's draft law q [B, F, V] and ``w`` children drawn from it without
         replacement by an exponential race: their keys [B, F, w] (0: no mass left) and tokens
         [B, F, w], in draw order. One fused kernel on the GPU (``race_draw``; as torch ops it
@@ -144,7 +145,7 @@ class GraphedSampledTree(GraphedTreeStep):
         q, key, drawn = race_draw(logits.reshape(B * F, V), buf.temperature, F, w, None, *self._filters(buf))
         return q.view(B, F, V), key.view(B, F, w), drawn.view(B, F, w)
 
-    def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
+    def _grow(self, m: int, front_hidden: Tensor, buf: BucketBuffers) -> tuple[Tensor, Tensor]:
         if m == 1:
             self._tokens, self._valid, self._q = [], [], []
         B, H = buf.bucket, self.hidden_size
@@ -158,13 +159,13 @@ class GraphedSampledTree(GraphedTreeStep):
         prev = _take(front_hidden, self._next_parent[m - 1])  # [B, F', H] parent rows' outputs
         return _take(self._tokens[-1], self._next_front[m - 1]), prev.reshape(B, -1, H)
 
-    def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+    def _tree(self, buf: BucketBuffers) -> tuple[Tensor, Tensor, Tensor]:
         B, n = buf.bucket, self.N + 1
         drafts = _take(torch.cat(self._tokens, 1), self._to_shape_order)  # [B, N] in node order
         tokens = torch.cat([self._root[:, None], drafts], 1)  # [B, N+1]
         return tokens, self._depths.expand(B, n), self._mask.expand(B, n, n)
 
-    def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
+    def _accept(self, buf: BucketBuffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
         valid = torch.cat([torch.ones_like(tokens[:, :1], dtype=torch.bool),
                            _take(torch.cat(self._valid, 1), self._to_shape_order)], 1)  # fmt: skip
         return accept_sampled(

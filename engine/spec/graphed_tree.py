@@ -33,10 +33,8 @@ On CPU (``use_graphs=False``) the same code runs eagerly, which is how it is tes
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,7 +49,6 @@ from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.draft_layer import DraftLayer, forward_mtp_fused
 from engine.params import SamplingParams
 from engine.sequence import Sequence
-from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.device_tree import (
     AcceptedPath,
     accept_greedy,
@@ -60,273 +57,10 @@ from engine.spec.device_tree import (
     select_tree,
 )
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
+from engine.spec.graphed_rows import META_COLUMNS, WIN, RowInputs, RowPlan
+from engine.spec.graphed_state import BucketBuffers, SteadyRows, StepLaunch, StepResults
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SMALL_BATCH = 8  # StepResults.chain_tokens counts this many rows or fewer in Python
-
-
-@dataclass
-class StepResults:
-    """One step's outcome for its ``n`` sequences, in batch order (the packed output rows)."""
-
-    tokens: list[list[int]]  # [n] the accepted draft tokens, then the bonus token
-    num_accepted: list[int]  # [n] accepted draft tokens
-    has_child: np.ndarray  # [n, D + 1] the path's node at depth j had children (read for j <= a)
-    ranks: np.ndarray  # [n, D + 1] sibling rank of the path's node at depth j (1 <= j <= a)
-
-    def record_acceptance(self, counter: AcceptanceCounter, width: int) -> None:
-        """Count the step's paths; ``width``: the children a node with children had at most
-        (the budget's top-k; the graphed trees are full to it but for pruned nodes)."""
-        counter.record_paths(self.num_accepted, self.has_child, self.ranks, width)
-
-    def chain_tokens(self, depth: int) -> int:
-        """Tokens a chain of ``depth`` drafts would have produced over these sequences: each
-        accepted path's leading run of rank-0 nodes (the chain drafts each depth's best child
-        of the previous best child, the tree's rank 0), at most ``depth``, plus the bonus.
-        Exact when the tree kept that run's nodes; it keeps the best ones by score."""
-        cols = min(depth, self.ranks.shape[1] - 1)
-        n = len(self.num_accepted)
-        if n <= SMALL_BATCH:  # a few rows: plain Python beats five numpy calls
-            total = n
-            for row, a in zip(self.ranks[:, 1 : cols + 1].tolist(), self.num_accepted, strict=True):
-                for rank in row[: min(a, cols)]:
-                    if rank:
-                        break
-                    total += 1
-            return total
-        first = self.ranks[:, 1 : cols + 1] == 0  # [n, cols] the path node at depth j is rank 0
-        accepted = np.arange(1, cols + 1)[None] <= np.asarray(self.num_accepted)[:, None]
-        return int(np.cumprod(first & accepted, axis=1).sum()) + n
-
-
-_POS, _WIN, _QON, _QOFF, _KEEP = range(5)  # columns of _RowPlan.meta
-
-
-class _RowInputs(NamedTuple):
-    """One MTP forward's attention inputs (``_RowPlan.inputs``), rows sequence-major."""
-
-    positions: Tensor  # [B * R] int64
-    slots: Tensor  # [B * R] int64 flat cache slots
-    ctx_lens: Tensor  # [B] int32 module entries before the rows
-    new_mask: Tensor  # [B * R, R] bool rows' mask among themselves
-    query_ctx_lens: Tensor  # [B * R] int32 context each row may see
-    zero: Tensor  # [B * R] int64 slots to zero after the forward (the trash slot for kept rows)
-
-
-@dataclass
-class _RowPlan:
-    """The rows of one MTP forward of the step (depth ``m``), precomputed for every ``c``.
-
-    Rows: ``C`` catch-up rows (tokens committed since the module's last step, the first ``c``
-    valid) when ``m <= k``, then ``F`` frontier rows (the drafted nodes of depth ``m - 1`` that
-    get children) when ``2 <= m <= D``. ``meta[c, r]`` holds, for row ``r`` when ``c`` catch-up rows are valid: its
-    position minus ``L``, its index in the step's slot window (positions ``L - k - C + 1 + w``),
-    the query context as ``ctx * on + off``, and whether the row is committed (kept in the cache).
-    ``mask[c]`` is the rows' mask among themselves. The module's committed entries before the
-    rows: ``ctx = L - c + ctx_offset`` with catch-up rows, ``L + ctx_offset`` without.
-    """
-
-    module: int
-    catch_up: bool
-    frontier: bool
-    ctx_offset: int
-    meta: Tensor  # [C + 1, R, 5] long
-    mask: Tensor  # [C + 1, R, R] bool
-
-    @property
-    def rows(self) -> int:
-        return self.meta.shape[1]
-
-    def ctx(self, L: Tensor, c: Tensor) -> Tensor:  # [B] committed module entries
-        return L - c + self.ctx_offset if self.catch_up else L + self.ctx_offset
-
-    def inputs_torch(self, L: Tensor, c: Tensor, window: Tensor, trash: int) -> _RowInputs:
-        """This forward's attention inputs for sequences at ``L`` with ``c`` catch-up rows
-        (``window`` [B, W]: the flat slots of the step's positions window), and the slots to
-        zero after it: the reference of the fused kernel (``GraphedTreeStep._row_inputs``)."""
-        B, R = window.shape[0], self.rows
-        meta = self.meta.index_select(0, c)  # [B, R, 5] this step's row layout
-        ctx = self.ctx(L, c)  # [B]
-        slots = window.gather(1, meta[..., _WIN])  # [B, R]
-        return _RowInputs(
-            positions=(L[:, None] + meta[..., _POS]).reshape(-1),
-            slots=slots.reshape(-1),
-            ctx_lens=ctx.to(torch.int32),
-            new_mask=self.mask.index_select(0, c).reshape(B * R, R),
-            query_ctx_lens=(ctx[:, None] * meta[..., _QON] + meta[..., _QOFF]).reshape(-1).to(torch.int32),
-            zero=torch.where(meta[..., _KEEP].bool(), trash, slots).reshape(-1),
-        )
-
-    @classmethod
-    def build(cls, m: int, k: int, F: int, C: int, device: torch.device) -> _RowPlan:
-        """Depth ``m``'s plan with ``F`` frontier rows (0: catch-up only)."""
-        module = min(m, k)
-        catch_up, frontier = m <= k, F > 0
-        n_catch = C if catch_up else 0
-        R = n_catch + F
-        band = max(module - 1, 1)
-        meta = torch.zeros(C + 1, R, 5, dtype=torch.long)
-        mask = torch.zeros(C + 1, R, R, dtype=torch.bool)
-        for c in range(1, C + 1):
-            ctx_from_base = k + C - module - c if catch_up else C  # ctx - (L - k - C + 1)
-            for r in range(R):
-                meta[c, r, _WIN] = ctx_from_base + r
-                mask[c, r, r] = True
-                if r < n_catch:  # catch-up row j = r
-                    valid = r < c
-                    meta[c, r, _POS] = 1 - c + r
-                    meta[c, r, _QON] = int(valid)
-                    meta[c, r, _QOFF] = min(0, r - module + 2) if valid else 0
-                    meta[c, r, _KEEP] = int(valid)
-                    for j in range(r - band + 1 if valid else 0):
-                        mask[c, r, j] = True
-                else:  # frontier row: sees the valid catch-up rows and itself
-                    meta[c, r, _POS] = m - 1
-                    meta[c, r, _QON] = 1
-                    mask[c, r, :min(c, n_catch)] = True
-        return cls(module, catch_up, frontier, 1 - (module if catch_up else k), meta.to(device), mask.to(device))
-
-
-@dataclass
-class _SteadyRows:
-    """What one step's ``_finish`` left its sequences: their pending MTP rows, deferred to this
-    object (``Sequence.deferred`` is ``refs[i]``; ``hidden_of``: the first ``a_i + 1`` rows of
-    ``next_rows[i]`` [P, H] for module 1, and ``next_carry[i]``'s row of each deeper depth), and
-    ``committed[i]`` its ``num_committed``. ``fits``: every sequence has the blocks for one
-    more step; ``variant``: the device-program variant the step ran."""
-
-    seqs: tuple[Sequence, ...]
-    next_rows: Tensor  # [n, P, H]
-    next_carry: Tensor  # [n, k - 1, H]
-    num_accepted: list[int]
-    committed: list[int]
-    fits: bool
-    variant: bool
-    refs: list[tuple[_SteadyRows, int]] = field(default_factory=list)
-    checked: list[Sequence] | None = None  # the batch ``holds`` last confirmed
-    _index: dict[int, int] | None = None  # id(sequence) -> its row (``rows_of``)
-
-    def hidden_of(self, index: int) -> list[Tensor]:
-        """Sequence ``index``'s pending rows per depth: [a + 1, H], then [1, H] per deeper one."""
-        a = self.num_accepted[index]
-        carry = self.next_carry[index]  # [k - 1, H]
-        return [self.next_rows[index, : a + 1], *(carry[d : d + 1] for d in range(carry.shape[0]))]
-
-    def holds(self, seqs: list[Sequence]) -> bool:
-        """Whether ``seqs`` are these sequences in this order, each with exactly the state the
-        step left: no token committed, no MTP row read, consumed, truncated or appended since
-        (any access to the deferred rows hands them out, which clears ``deferred``), and room
-        for one more step. Then every sequence is eligible and the bucket's inputs, advanced on
-        the device (``GraphedTreeStep._advance``), are this batch's."""
-        if not self.fits or len(seqs) != len(self.seqs):
-            return False
-        if any(a is not b for a, b in zip(seqs, self.seqs, strict=True)):
-            return False
-        for s, ref, L in zip(seqs, self.refs, self.committed, strict=True):
-            if s.deferred is not ref or s.num_committed != L or len(s.tokens) != L + 1:
-                return False
-        self.checked = seqs
-        return True
-
-    def rows_of(self, seqs: list[Sequence]) -> list[int]:
-        """Each sequence's row in this step's batch where it is untouched since (as ``holds``
-        asks of every one), else -1: the part of the batch still decoding after others finished,
-        whose inputs the last step advanced on the device (``GraphedTreeStep._gather_inputs``)."""
-        if not self.fits:  # a sequence may need more blocks: every one is checked (``eligible``)
-            return [-1] * len(seqs)
-        if self._index is None:
-            self._index = {id(s): i for i, s in enumerate(self.seqs)}
-        rows = []
-        for s in seqs:
-            i = self._index.get(id(s), -1)
-            if i >= 0:
-                L = self.committed[i]
-                if s.deferred is not self.refs[i] or s.num_committed != L or len(s.tokens) != L + 1:
-                    i = -1
-            rows.append(i)
-        return rows
-
-
-@dataclass
-class _Launch:
-    """A step queued on the device and not yet read: its bucket, its batch in row order, each
-    row's catch-up count ``c``, the host copy of its packed outputs and the event that copy
-    records, copies of its next-step MTP rows, its rollback timing and program variant."""
-
-    buf: _Buffers
-    seqs: list[Sequence]
-    c: list[int]
-    packed: Tensor  # [bucket, 2 + 3P] pinned host copy
-    copied: Any  # torch.cuda.Event | None
-    next_rows: Tensor  # [n, P, H]
-    next_carry: Tensor  # [n, k - 1, H]
-    timing: tuple[object, ...]
-    variant: bool
-
-
-class _Buffers:
-    """Static inputs and outputs of one batch bucket."""
-
-    def __init__(self, bucket: int, g: GraphedTreeStep) -> None:
-        dev, H, C, D = g.device, g.hidden_size, g.C, g.D
-        self.bucket = bucket
-        self.tables = torch.full((bucket, g.max_blocks), -1, dtype=torch.int32, device=dev)
-        self.L = torch.zeros(bucket, dtype=torch.long, device=dev)  # target committed = root index
-        self.c = torch.ones(bucket, dtype=torch.long, device=dev)  # catch-up rows per module
-        self.live = torch.zeros(bucket, dtype=torch.bool, device=dev)  # rows of real sequences
-        self.tail = torch.zeros(bucket, C, dtype=torch.long, device=dev)  # catch-up tokens
-        self.rows0 = torch.zeros(bucket, C, H, dtype=g.dtype, device=dev)  # module 1 inputs
-        self.carry = torch.zeros(bucket, max(g.k - 1, 0), H, dtype=g.dtype, device=dev)
-        # Sampling parameters per sequence (sampled trees only; padding rows sample at T = 1).
-        self.temperature = torch.ones(bucket, dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros(bucket, dtype=torch.int32, device=dev)
-        self.top_p = torch.ones(bucket, dtype=torch.float32, device=dev)
-        # Outputs.
-        P = D + 1
-        self.packed = torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, device=dev)
-        # Its host copies (pinned on a GPU: asynchronous copies, each waited for by its event),
-        # two in turn: a step launched ahead (``GraphedTreeStep.run``) copies its outputs while
-        # the host still reads the last step's.
-        cuda = dev.type == "cuda"
-        self.packed_hosts = [torch.zeros(bucket, 2 + 3 * P, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        self.copy_events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.next_host = 0
-        self.next_rows = torch.zeros(bucket, P, H, dtype=g.dtype, device=dev)
-        self.next_carry = torch.zeros_like(self.carry)
-        # The rollback's inputs: each tree's slots, its accepted path and which depths it kept.
-        self.tree_slots = torch.zeros(bucket, g.N + 1, dtype=torch.long, device=dev)
-        self.path = torch.zeros(bucket, P, dtype=torch.long, device=dev)
-        self.keep = torch.zeros(bucket, P, dtype=torch.bool, device=dev)
-        # Every MTP forward's slots to zero ([B * R] each, forward after forward) and the cache
-        # layer of each: the step zeroes them all at once after its last drafting depth.
-        self.draft_zero = torch.zeros(sum(bucket * p.rows for p in g.plans), dtype=torch.long, device=dev)
-        self.draft_zero_parts = self.draft_zero.split([bucket * p.rows for p in g.plans])
-        self.draft_zero_layer = torch.tensor(
-            [g.model.mtp_cache_layer(p.module) for p in g.plans for _ in range(bucket * p.rows)],
-            dtype=torch.long, device=dev,
-        )  # fmt: skip
-        rows = {p.rows for p in g.plans} | {g.N + 1}
-        self.query_start = {  # rows per sequence -> [bucket + 1] int32 offsets
-            r: (torch.arange(bucket + 1, device=dev) * r).to(torch.int32) for r in rows
-        }
-        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # step variant -> draft/verify/accept
-        self.rollback_graph: torch.cuda.CUDAGraph | None = None
-        self.advance_graph: torch.cuda.CUDAGraph | None = None
-        # The last step's sequences and the MTP rows it handed them (``_SteadyRows``), while it
-        # is the runner's last step: the next step over the same sequences, untouched since,
-        # loads nothing (``_advance``); over some of them, gathers their rows on the device.
-        self.steady: _SteadyRows | None = None
-
-    def set_padding(self, start: int, g: GraphedTreeStep) -> None:
-        """Rows ``start:`` become dummy sequences living in the scratch blocks."""
-        self.live.copy_(g.live_rows[self.bucket][start])
-        self.tables[start:] = g.pad_table
-        self.L[start:] = g.k
-        self.c[start:] = 1
-        self.tail[start:] = 0
-        self.temperature[start:] = 1.0
-        self.top_k[start:] = 0
-        self.top_p[start:] = 1.0
 
 
 class GraphedTreeStep:
@@ -374,10 +108,10 @@ class GraphedTreeStep:
         forwards = max(self.D, self.k)
         rows = [*frontier_rows, *[0] * forwards][:forwards]
         self.max_frontier = max(rows + [1])
-        self.plans = [_RowPlan.build(m, self.k, rows[m - 1], self.C, self.device)
+        self.plans = [RowPlan.build(m, self.k, rows[m - 1], self.C, self.device)
                       for m in range(1, forwards + 1)]
         self.tree_window_start = self.k + self.C - 1  # window index of position L (the root)
-        width = max(max(int(p.meta[1:, :, _WIN].max()) for p in self.plans) + 1,
+        width = max(max(int(p.meta[1:, :, WIN].max()) for p in self.plans) + 1,
                     self.tree_window_start + self.N + 1)
         self.window_offsets = torch.arange(width, device=self.device) - self.tree_window_start  # [W]
         scratch_tokens = self.k + self.C + self.max_frontier + self.N + 2
@@ -405,11 +139,11 @@ class GraphedTreeStep:
         # live_rows[b][n]: the live mask of bucket b with n real sequences [b] bool.
         self.live_rows = {b: torch.arange(b, device=self.device)[None] < torch.arange(b + 1, device=self.device)[:, None]
                           for b in self.buckets}  # fmt: skip
-        self._buffers = {b: _Buffers(b, self) for b in self.buckets}
-        self._last_buf: _Buffers | None = None  # the bucket of the last step (its ``steady``)
+        self._buffers = {b: BucketBuffers(b, self) for b in self.buckets}
+        self._last_buf: BucketBuffers | None = None  # the bucket of the last step (its ``steady``)
         # Another runner's last bucket whose sequences this runner takes over (``adopt``).
-        self._handoff: _Buffers | None = None
-        self._ahead: _Launch | None = None  # the step launched ahead of its turn (``run``)
+        self._handoff: BucketBuffers | None = None
+        self._ahead: StepLaunch | None = None  # the step launched ahead of its turn (``run``)
         for buf in self._buffers.values():
             buf.set_padding(0, self)
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -443,16 +177,16 @@ class GraphedTreeStep:
         """Whether requests with these sampling parameters take this step."""
         raise NotImplementedError
 
-    def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
+    def _grow(self, m: int, front_hidden: Tensor, buf: BucketBuffers) -> tuple[Tensor, Tensor]:
         """Depth ``m``'s children of the frontier rows' outputs ``front_hidden`` [B, F, H]:
         returns the next frontier's tokens [B, F'] and their input hidden states [B, F', H]."""
         raise NotImplementedError
 
-    def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+    def _tree(self, buf: BucketBuffers) -> tuple[Tensor, Tensor, Tensor]:
         """The drafted tree: tokens [B, N+1] (root first), depths [B, N+1], mask [B, N+1, N+1]."""
         raise NotImplementedError
 
-    def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
+    def _accept(self, buf: BucketBuffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
         """Accept a path of the verified tree (``hidden`` [B, N+1, H] of the verify forward)."""
         raise NotImplementedError
 
@@ -490,7 +224,7 @@ class GraphedTreeStep:
 
     def continues(self, seqs: list[Sequence]) -> bool:
         """Whether ``seqs`` are exactly the batch of this step's last run, untouched since
-        (``_SteadyRows.holds``): then all are eligible and their inputs are already loaded."""
+        (``SteadyRows.holds``): then all are eligible and their inputs are already loaded."""
         steady = self._last_buf.steady if self._last_buf is not None else None
         return steady is not None and steady.holds(seqs)
 
@@ -591,7 +325,7 @@ class GraphedTreeStep:
         are released; the step's writes to them are zeroed after it in stream order)."""
         self._ahead, self._last_buf = None, None
 
-    def _launch_ahead(self, last: _Launch, rows: list[int], seqs: list[Sequence]) -> _Launch:
+    def _launch_ahead(self, last: StepLaunch, rows: list[int], seqs: list[Sequence]) -> StepLaunch:
         """The next step over ``seqs`` (rows ``rows`` of ``last``), its inputs those ``last``
         advanced on the device; the host state it starts from is the one ``_finish`` left."""
         src, n = last.buf, len(seqs)
@@ -609,7 +343,7 @@ class GraphedTreeStep:
         src.steady, self._last_buf = None, None
         return self._replay(buf, seqs, c)
 
-    def _replay(self, buf: _Buffers, seqs: list[Sequence], catch_up: list[int]) -> _Launch:
+    def _replay(self, buf: BucketBuffers, seqs: list[Sequence], catch_up: list[int]) -> StepLaunch:
         """Queue a step over the loaded inputs: the device program, a copy of its outputs to the
         host, the rollback, the advance to the next step's inputs."""
         if self.use_graphs and self.variant not in buf.graphs | self._eager_variants:
@@ -640,9 +374,9 @@ class GraphedTreeStep:
             buf.advance_graph.replay()
         else:
             self._advance(buf)
-        return _Launch(buf, list(seqs), catch_up, host, copied, next_rows, next_carry, timing, self.variant)
+        return StepLaunch(buf, list(seqs), catch_up, host, copied, next_rows, next_carry, timing, self.variant)
 
-    def _load_inputs(self, buf: _Buffers, seqs: list[Sequence]) -> list[int]:
+    def _load_inputs(self, buf: BucketBuffers, seqs: list[Sequence]) -> list[int]:
         """Copy the batch into the bucket's static inputs; returns each sequence's ``c``.
 
         Sequences of the last step untouched since are gathered from its bucket on the device
@@ -675,7 +409,7 @@ class GraphedTreeStep:
         self._load_sampling(buf, seqs)
         return c
 
-    def _gather_inputs(self, src: _Buffers, dst: _Buffers, to: list[int], rows: list[int]) -> None:
+    def _gather_inputs(self, src: BucketBuffers, dst: BucketBuffers, to: list[int], rows: list[int]) -> None:
         """Rows ``rows`` of ``src``'s inputs (advanced by its step) become rows ``to`` of ``dst``.
         ``src`` may be another runner's (``adopt``): of its catch-up rows (``tail``, ``rows0``:
         the first ``c`` valid) the first ``min`` of the two widths are copied, and ``dst``'s
@@ -692,7 +426,7 @@ class GraphedTreeStep:
             d.index_copy_(0, index_to, s.index_select(0, index_from))  # read before dst is written
 
     def _load_fresh(
-        self, buf: _Buffers, seqs: list[Sequence], rows: list[int], L: list[int], c: list[int]
+        self, buf: BucketBuffers, seqs: list[Sequence], rows: list[int], L: list[int], c: list[int]
     ) -> None:
         """Load ``seqs`` from the host into rows ``rows`` of the bucket's inputs."""
         n, C = len(seqs), self.C
@@ -716,7 +450,7 @@ class GraphedTreeStep:
             carry = torch.cat([s.hidden_rows(d) for s in seqs for d in range(1, self.k)])  # type: ignore[misc]
             buf.carry.index_copy_(0, index, carry.view(n, self.k - 1, self.hidden_size))
 
-    def _advance(self, buf: _Buffers) -> None:
+    def _advance(self, buf: BucketBuffers) -> None:
         """Turn the step's outputs into the inputs of the next step over the same sequences
         (what ``_load_inputs`` would load after ``_finish``): ``L += a + 1``, ``c = a + 1``, the
         catch-up tokens are the accepted tokens and the bonus, module 1's rows the accepted
@@ -731,7 +465,7 @@ class GraphedTreeStep:
                 return
         self._advance_torch(buf)
 
-    def _advance_torch(self, buf: _Buffers) -> None:
+    def _advance_torch(self, buf: BucketBuffers) -> None:
         """``_advance`` as torch ops (the reference of the fused kernel)."""
         C, D = self.C, self.D
         a = buf.packed[:, 0]  # [B] accepted draft tokens
@@ -747,10 +481,10 @@ class GraphedTreeStep:
         buf.rows0[:, : D + 1].copy_(buf.next_rows)
         buf.carry.copy_(buf.next_carry)
 
-    def _load_sampling(self, buf: _Buffers, seqs: list[Sequence]) -> None:
+    def _load_sampling(self, buf: BucketBuffers, seqs: list[Sequence]) -> None:
         """Per-sequence sampling inputs (none for greedy trees)."""
 
-    def _timed_rollback(self, buf: _Buffers) -> tuple[object, ...]:
+    def _timed_rollback(self, buf: BucketBuffers) -> tuple[object, ...]:
         """Run the rollback: timed by CUDA events on GPU (read lazily), by the clock on CPU."""
         graph = buf.rollback_graph
         if self.device.type != "cuda":
@@ -771,13 +505,13 @@ class GraphedTreeStep:
         end.record(self._stream)
         return (start, end)
 
-    def _finish(self, launch: _Launch, rows: list[int]) -> StepResults:
+    def _finish(self, launch: StepLaunch, rows: list[int]) -> StepResults:
         """Read the step's outputs and move the KV/MTP bookkeeping of the sequences of rows
         ``rows`` forward (the others stopped since it was launched: nothing of theirs is read).
 
         This loop is most of the step's host work per sequence (on the H200's host ~12 us each
         once: 3 ms of a 17.7 ms step at batch 256). No tensor is made per sequence: its pending
-        MTP rows stay in the step's copied outputs (``Sequence.deferred``, ``_SteadyRows``)
+        MTP rows stay in the step's copied outputs (``Sequence.deferred``, ``SteadyRows``)
         until something reads them, which the next step over the same batch does not (views
         per sequence cost 1.7 ms at batch 256 on a 2-core host); the acceptance statistics are
         counted for the batch at once (``StepResults``)."""
@@ -789,7 +523,7 @@ class GraphedTreeStep:
         packed = packed_array.tolist()
         num_accepted = [row[0] for row in packed]
         committed_now = [-1] * n  # rows of stopped sequences match nothing (``rows_of``)
-        steady = _SteadyRows(tuple(seqs), launch.next_rows, launch.next_carry, num_accepted, committed_now,
+        steady = SteadyRows(tuple(seqs), launch.next_rows, launch.next_carry, num_accepted, committed_now,
                              False, launch.variant)  # fmt: skip
         refs = steady.refs = [(steady, i) for i in range(n)]
         tokens: list[list[int]] = []
@@ -814,7 +548,7 @@ class GraphedTreeStep:
                            packed_array[:, 4 + 2 * D : 5 + 3 * D].copy())  # fmt: skip
 
     # ------------------------------------------------------------------ device program
-    def _step_start(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+    def _step_start(self, buf: BucketBuffers) -> tuple[Tensor, Tensor, Tensor]:
         """The flat cache slots of the step's positions window ``L - k - C + 1 + w`` (positions
         below 0 clamped to 0) [B, W], each sequence's last catch-up row ``c - 1`` [B] and its
         token, the tree's root [B]: one fused kernel on CUDA with Triton."""
@@ -827,13 +561,13 @@ class GraphedTreeStep:
                 return fused
         return self._step_start_torch(buf)
 
-    def _step_start_torch(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+    def _step_start_torch(self, buf: BucketBuffers) -> tuple[Tensor, Tensor, Tensor]:
         """``_step_start`` as torch ops (the reference of the fused kernel)."""
         window = self._slots(buf.tables, (buf.L[:, None] + self.window_offsets).clamp(min=0))
         last = buf.c - 1
         return window, last, buf.tail.gather(1, last[:, None])[:, 0]
 
-    def _verify_inputs(self, buf: _Buffers, depth: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
+    def _verify_inputs(self, buf: BucketBuffers, depth: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
         """The verify forward's positions ``L + depth`` [B * (N+1)] and context lengths [B] int32;
         the tree's slots go into ``buf.tree_slots`` (its slot mapping, the rollback's input).
         One fused kernel on CUDA with Triton."""
@@ -846,7 +580,7 @@ class GraphedTreeStep:
                 return fused
         return self._verify_inputs_torch(buf, depth, window)
 
-    def _verify_inputs_torch(self, buf: _Buffers, depth: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
+    def _verify_inputs_torch(self, buf: BucketBuffers, depth: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
         """``_verify_inputs`` as torch ops (the reference of the fused kernel)."""
         start = self.tree_window_start
         buf.tree_slots.copy_(window[:, start : start + depth.shape[1]])
@@ -860,9 +594,9 @@ class GraphedTreeStep:
 
     def _mtp_forward(
         self,
-        buf: _Buffers,
-        plan: _RowPlan,
-        rows: _RowInputs,  # this forward's attention inputs (``_row_inputs``)
+        buf: BucketBuffers,
+        plan: RowPlan,
+        rows: RowInputs,  # this forward's attention inputs (``_row_inputs``)
         tok_parts: list[Tensor],  # [B, r_i] the rows' tokens, in parts (sum r_i = R)
         prev_parts: list[Tensor],  # [B, r_i, H] the previous depth's hidden of each row, in parts
     ) -> Tensor:  # [B, R, H]
@@ -884,8 +618,8 @@ class GraphedTreeStep:
         hidden = forward_mtp_fused(self.model, self.draft_layers, plan.module, fused, batch, self.pool.kv_cache)
         return hidden.view(B, R, -1)
 
-    def _row_inputs(self, buf: _Buffers, window: Tensor) -> list[_RowInputs]:
-        """Every drafting depth's attention inputs (``_RowPlan.inputs_torch``), at the step's
+    def _row_inputs(self, buf: BucketBuffers, window: Tensor) -> list[RowInputs]:
+        """Every drafting depth's attention inputs (``RowPlan.inputs_torch``), at the step's
         start: they depend only on ``L``, ``c`` and the slot window. Their slots to zero go to
         ``buf.draft_zero`` (``_zero_drafts``). One kernel on CUDA (``engine.kernels.mtp_rows``)."""
         B = buf.bucket
@@ -895,12 +629,12 @@ class GraphedTreeStep:
             rows, tables = [p.rows for p in self.plans], self.row_tables
             fused = run_kernel("mtp_rows", lambda: mtp_rows_triton(
                 buf.L, buf.c, window, *tables, rows, self.trash_slot,
-                (_POS, _WIN, _QON, _QOFF, _KEEP), buf.draft_zero))  # fmt: skip
+                META_COLUMNS, buf.draft_zero))  # fmt: skip
             if fused is not None:
                 pos, slots, ctx, masks, qctx, zero = fused
                 flat = [part.split([B * r for r in rows]) for part in (pos, slots, qctx, zero)]
                 new_masks = masks.split([B * r * r for r in rows])
-                return [_RowInputs(flat[0][i], flat[1][i], ctx[i], new_masks[i].view(B * r, r), flat[2][i],
+                return [RowInputs(flat[0][i], flat[1][i], ctx[i], new_masks[i].view(B * r, r), flat[2][i],
                                    flat[3][i]) for i, r in enumerate(rows)]  # fmt: skip
         out = []
         for plan, zero_out in zip(self.plans, buf.draft_zero_parts, strict=True):
@@ -909,7 +643,7 @@ class GraphedTreeStep:
             out.append(inputs)
         return out
 
-    def _zero_drafts(self, buf: _Buffers) -> None:
+    def _zero_drafts(self, buf: BucketBuffers) -> None:
         """Zero what every MTP forward of the step wrote past its committed rows (drafts and
         padding rows) in one go. Deferring it to the last depth changes nothing: a forward reads
         only its module's committed entries and its own rows, never an earlier depth's drafts."""
@@ -925,7 +659,7 @@ class GraphedTreeStep:
         flat = cache.view(-1, cache.shape[-1])  # [layers * slots, D]
         flat.index_fill_(0, buf.draft_zero_layer * slots_per_layer + buf.draft_zero, 0)
 
-    def _draft_verify_accept(self, buf: _Buffers) -> None:
+    def _draft_verify_accept(self, buf: BucketBuffers) -> None:
         B, C, D, N, k, H = buf.bucket, self.C, self.D, self.N, self.k, self.hidden_size
         window, last_row_index, self._root = self._step_start(buf)  # [B, W], [B], [B]
         row_inputs = self._row_inputs(buf, window)  # every depth's, at once
@@ -969,7 +703,7 @@ class GraphedTreeStep:
         acc = self._accept(buf, tree_tok, hidden)
         self._write_outputs(buf, acc, tree_tok, hidden)
 
-    def _write_outputs(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor) -> None:
+    def _write_outputs(self, buf: BucketBuffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor) -> None:
         """The step's results into the static outputs: ``packed`` (for the host), module 1's
         next rows (the verify states of the accepted path) and the rollback's path and kept
         depths (its tree slots are written before the verify). One fused kernel on CUDA with
@@ -985,7 +719,7 @@ class GraphedTreeStep:
                 return
         self._write_outputs_torch(buf, acc, tree_tok, hidden)
 
-    def _write_outputs_torch(self, buf: _Buffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor) -> None:
+    def _write_outputs_torch(self, buf: BucketBuffers, acc: AcceptedPath, tree_tok: Tensor, hidden: Tensor) -> None:
         """``_write_outputs`` as torch ops (the reference of the fused kernel)."""
         B, P, H = hidden.shape[0], acc.path.shape[1], hidden.shape[2]
         path = acc.path  # [B, P]
@@ -1001,7 +735,7 @@ class GraphedTreeStep:
         buf.path.copy_(path)
         buf.keep.copy_(acc.on_path)
 
-    def _rollback(self, buf: _Buffers) -> None:
+    def _rollback(self, buf: BucketBuffers) -> None:
         """Move accepted target KV to contiguous slots, zero rejected slots and the scratch."""
         commit_tree_kv(self.pool.kv_cache, self.num_main_layers, buf.tree_slots, buf.path, buf.keep)
         self._zero_scratch()
@@ -1021,7 +755,7 @@ class GraphedTreeStep:
             self._capture_bucket(self._buffers[bucket])
 
     @torch.inference_mode()
-    def _capture_bucket(self, buf: _Buffers) -> None:
+    def _capture_bucket(self, buf: BucketBuffers) -> None:
         """Capture the current variant's step (and the rollback, once) for one bucket."""
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
@@ -1095,7 +829,7 @@ class GraphedGreedyTree(GraphedTreeStep):
     def serves(self, params: SamplingParams) -> bool:
         return params.greedy and not params.has_penalties
 
-    def _grow(self, m: int, front_hidden: Tensor, buf: _Buffers) -> tuple[Tensor, Tensor]:
+    def _grow(self, m: int, front_hidden: Tensor, buf: BucketBuffers) -> tuple[Tensor, Tensor]:
         B, K, H = buf.bucket, self.K, self.hidden_size
         cand_score, cand_tok, cand_parent = self._cand[B]  # [B, T] each
         fused = self.fused_io or None  # the Triton kernels also where fused_io is forced on
@@ -1115,14 +849,14 @@ class GraphedGreedyTree(GraphedTreeStep):
         self._front = front_score, front_idx
         return token, hidden
 
-    def _tree(self, buf: _Buffers) -> tuple[Tensor, Tensor, Tensor]:
+    def _tree(self, buf: BucketBuffers) -> tuple[Tensor, Tensor, Tensor]:
         cand_score, cand_tok, cand_parent = self._cand[buf.bucket]
         tree_tok, self._parents, self._depth, mask = select_tree(
             cand_score, cand_parent, cand_tok, self.cand_depth, self._root, self.N, self.D,
         )  # [B, N+1] x3, [B, N+1, N+1]
         return tree_tok, self._depth, mask
 
-    def _accept(self, buf: _Buffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
+    def _accept(self, buf: BucketBuffers, tokens: Tensor, hidden: Tensor) -> AcceptedPath:
         target = self.model.lm_head(hidden).argmax(-1)  # [B, N+1] (the argmax of the logits)
         acc = accept_greedy(tokens, self._parents, self._depth, target, self.D)
         return acc

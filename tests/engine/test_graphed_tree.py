@@ -345,12 +345,12 @@ def test_adaptive_switches_between_captured_budgets_and_autoregressive_losslessl
 def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     small_vocab_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A step over the same sequences as the last, untouched since (``_SteadyRows``), loads
+    """A step over the same sequences as the last, untouched since (``SteadyRows``), loads
     nothing: the last step advanced the bucket's inputs on the device (``_advance``). Those
     inputs must be what the general path loads, on every row it loads, and anything that
     replaced a sequence's rows (a finished request leaving, an autoregressive step in between)
     must send the step down the general path."""
-    from engine.spec import graphed_tree
+    from engine.spec import graphed_state
     from engine.spec.adaptive import NO_SPEC
 
     eng, _ = _engine(small_vocab_dir, SPECS[1])
@@ -358,9 +358,9 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
     runners = eng._graphed_runners
     fast: list[bool] = []
     steady_in: list[str] = []  # the runner of each steady step
-    holds = graphed_tree._SteadyRows.holds
+    holds = graphed_state.SteadyRows.holds
 
-    def checked_holds(self: graphed_tree._SteadyRows, seqs: list) -> bool:  # type: ignore[type-arg]
+    def checked_holds(self: graphed_state.SteadyRows, seqs: list) -> bool:  # type: ignore[type-arg]
         ok = holds(self, seqs)
         fast.append(ok)
         if ok:  # the advanced inputs are what the general path would load, on the rows it loads
@@ -369,7 +369,7 @@ def test_steady_steps_load_the_previous_steps_rows_and_match_the_general_load(
             _assert_inputs_are_the_batchs(g, buf, seqs)
         return ok
 
-    monkeypatch.setattr(graphed_tree._SteadyRows, "holds", checked_holds)
+    monkeypatch.setattr(graphed_state.SteadyRows, "holds", checked_holds)
     lengths = (12, 25, 40, 40)
     params = {f"r{i}": (p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
               for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))}  # fmt: skip

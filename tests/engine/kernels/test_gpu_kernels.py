@@ -152,7 +152,7 @@ def test_fused_mtp_forward_inputs_equal_the_torch_ops_on_gpu() -> None:
     from tests.engine.kernels.tree_build_cases import check_mtp_rows
 
     err, tol = check_mtp_rows("cuda")
-    assert err <= tol, "the fused MTP forward inputs differ from _RowPlan.inputs_torch"
+    assert err <= tol, "the fused MTP forward inputs differ from RowPlan.inputs_torch"
 
 
 def test_fused_logprob_topk_equals_the_torch_ops_on_gpu() -> None:

@@ -1,6 +1,6 @@
 """Random drafting depths and candidate sets for the fused tree-building kernels (growth per
 depth, selection and mask, each MTP forward's attention inputs) against their torch references
-(``engine.spec.device_tree``, ``engine.spec.graphed_tree._RowPlan.inputs_torch``).
+(``engine.spec.device_tree``, ``engine.spec.graphed_rows.RowPlan.inputs_torch``).
 
 Shared by the interpreter checks (CPU) and the GPU tests. Candidates are laid out as the graphed
 greedy step lays them out: depth-major, each child scored below its parent. Some cases put
@@ -96,26 +96,26 @@ def check_grow_frontier(device: str) -> tuple[float, float]:
 
 def check_mtp_rows(device: str) -> tuple[float, float]:
     """0 when the fused attention inputs of every MTP forward of a step (one launch for all
-    depths) equal ``_RowPlan.inputs_torch`` depth by depth, for a few step shapes (catch-up
+    depths) equal ``RowPlan.inputs_torch`` depth by depth, for a few step shapes (catch-up
     rows, frontier rows, reused modules, a single depth) and batch sizes."""
     from engine.kernels.mtp_rows import mtp_rows_triton, pack_row_tables
-    from engine.spec.graphed_tree import _KEEP, _POS, _QOFF, _QON, _WIN, _RowPlan
+    from engine.spec.graphed_rows import META_COLUMNS, WIN, RowPlan
 
     gen = torch.Generator().manual_seed(29)
     for (k, D, K), B in zip([(4, 6, 4), (3, 3, 2), (1, 4, 3), (4, 2, 1), (1, 1, 1)], [5, 1, 3, 2, 4], strict=True):
         C = D + 1
         frontier = [0] + [K] * (D - 1)
-        plans = [_RowPlan.build(m, k, frontier[m - 1] if m <= D else 0, C, torch.device(device))
+        plans = [RowPlan.build(m, k, frontier[m - 1] if m <= D else 0, C, torch.device(device))
                  for m in range(1, max(D, k) + 1)]  # fmt: skip
         rows = [p.rows for p in plans]
-        W = max(int(p.meta[1:, :, _WIN].max()) for p in plans) + 3
+        W = max(int(p.meta[1:, :, WIN].max()) for p in plans) + 3
         L = torch.randint(k + C, 500, (B,), generator=gen).to(device)
         c = torch.randint(1, C + 1, (B,), generator=gen).to(device)
         window = torch.randint(0, 10_000, (B, W), generator=gen).to(device)
         tables = pack_row_tables([p.meta for p in plans], [p.mask for p in plans],
                                  [p.ctx_offset for p in plans], [p.catch_up for p in plans])
         pos, slots, ctx, masks, qctx, zero = mtp_rows_triton(L, c, window, *tables, rows, 99_999,
-                                                             (_POS, _WIN, _QON, _QOFF, _KEEP))  # fmt: skip
+                                                             META_COLUMNS)  # fmt: skip
         at = mask_at = 0
         for i, (plan, R) in enumerate(zip(plans, rows, strict=True)):
             want = plan.inputs_torch(L, c, window, 99_999)

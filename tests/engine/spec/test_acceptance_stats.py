@@ -92,7 +92,7 @@ def test_a_tree_steps_results_tell_what_the_chain_would_have_yielded() -> None:
     accepted drafts are the accepted path's leading rank-0 nodes (at most its depth)."""
     import numpy as np
 
-    from engine.spec.graphed_tree import StepResults
+    from engine.spec.graphed_state import StepResults
 
     ranks = np.array([
         [0, 0, 0, 0, 0, 0, 0],  # 5 accepted through rank 0
@@ -110,8 +110,8 @@ def test_chain_tokens_counts_alike_for_small_and_large_batches(monkeypatch: pyte
     """Small batches are counted in Python, large ones with numpy: the same counts."""
     import numpy as np
 
-    from engine.spec import graphed_tree
-    from engine.spec.graphed_tree import StepResults
+    from engine.spec import graphed_state
+    from engine.spec.graphed_state import StepResults
 
     rng = np.random.default_rng(0)
     for n in (1, 5, 40):
@@ -120,6 +120,6 @@ def test_chain_tokens_counts_alike_for_small_and_large_batches(monkeypatch: pyte
         results = StepResults([[1]] * n, accepted, np.ones_like(ranks, dtype=bool), ranks)
         counts = []
         for small in (0, 64):  # numpy for every batch, then Python for every batch
-            monkeypatch.setattr(graphed_tree, "SMALL_BATCH", small)
+            monkeypatch.setattr(graphed_state, "SMALL_BATCH", small)
             counts.append([results.chain_tokens(d) for d in (1, 4, 6)])
         assert counts[0] == counts[1]
