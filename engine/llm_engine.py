@@ -10,7 +10,6 @@ compaction with the rejected slots zeroed). The engine is single-threaded; the s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import time
 from collections import deque
@@ -20,13 +19,14 @@ from pathlib import Path
 import torch
 
 from engine.batch_builder import SeqRows, build_batch, causal_mask
-from engine.cuda_graphs import DEFAULT_PREFILL_TOKENS, StaticTargetForward
+from engine.captured_steps import capture_steps, uses_static_steps
+from engine.cuda_graphs import StaticTargetForward
 from engine.kv.block_pool import BlockPool, KVCacheFull
 from engine.launch_ahead import ARLaunch, may_continue, rows_within
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from engine.model.draft_layer import DraftLayer, draft_layers
+from engine.model.draft_layer import DraftLayer
 from engine.model.loader import load_model, parse_dtype
 from engine.model.tokenizer_files import eos_token_ids, load_tokenizer
 from engine.outputs import RequestOutput, StepTimings, ZeroEvent
@@ -38,10 +38,9 @@ from engine.spec.acceptance_prior import acceptance_prior
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController, budget_label, calibrate_catch_up
 from engine.spec.batch_choice import BatchChoice
-from engine.spec.defaults import chain_budgets, resolve_budget, sampled_tree_shape
+from engine.spec.defaults import chain_budgets, resolve_budget
 from engine.spec.device_tree import warm_race_draw
 from engine.spec.drafter import MTPDrafter, TreeBudget, steady_catch_up_rows
-from engine.spec.graphed_catch_up import GraphedCatchUp
 from engine.spec.graphed_sampled import GraphedSampledTree
 from engine.spec.graphed_tree import GraphedGreedyTree, GraphedTreeStep
 from engine.spec.hidden_log import HiddenLog
@@ -137,9 +136,6 @@ class LLMEngine:
         self._ahead: GraphedTreeStep | ARLaunch | None = None  # a step launched ahead (``_read_ahead``)
         self._ahead_since = 0.0  # perf_counter when it was launched: its turn starts there
         self.draft_layers: dict[int, DraftLayer] = {}
-        use_static = engine_config.cuda_graphs
-        if use_static is None:
-            use_static = device.type == "cuda"
         # Adaptive speculation's chain arms for greedy (False) and sampled (True) batches
         # (``SpecConfig.chain_depths``; by default engine/spec/defaults.py's ``chain_budgets``).
         self._chain_budgets = {s: chain_budgets(spec, cfg.num_mtp_modules, s) for s in (False, True)}
@@ -148,32 +144,16 @@ class LLMEngine:
                 warm_race_draw(device, cfg.vocab_size, torch.float32)  # the autoregressive rows' logits
                 if drafts:
                     warm_race_draw(device, cfg.vocab_size, dtype)  # the drafting heads' logits
-        if use_static:
+        if uses_static_steps(engine_config, device):
             max_blocks = -(-(self.max_model_len + scratch) // engine_config.block_size)
-            with timer.stage("target_graphs"):  # decode and prefill shapes
-                self.static_forward = StaticTargetForward(
-                    model, self.pool, (1, self.budget.num_draft_tokens + 1), max_blocks,
-                    engine_config.max_batch_size, use_graphs=device.type == "cuda",
-                    prefill_tokens=DEFAULT_PREFILL_TOKENS, prefill_chunk=chunk,
-                )  # fmt: skip
-            if self.drafter is not None and self.budget.speculates:
-                # The MTP modules' drafting forward (engine/model/draft_layer.py), shared by the
-                # catch-up and every graphed tree step.
-                self.draft_layers = draft_layers(model, engine_config.drafting_layer)
-                with timer.stage("catch_up_graphs"):
-                    self.drafter.static_catch_up = GraphedCatchUp(
-                        model, self.pool, max_blocks, engine_config.max_batch_size,
-                        use_graphs=device.type == "cuda", draft_layers=self.draft_layers,
-                    )  # fmt: skip
-                budgets = [self.budget]
-                if spec.method == "adaptive":  # chain arms too, for large batches
-                    chains = self._chain_budgets
-                    budgets += [b for b in dict.fromkeys([*chains[False], *chains[True]]) if b != self.budget]
-                for budget in budgets:
-                    kinds = [s for s in (False, True) if budget == self.budget or budget in self._chain_budgets[s]]
-                    with timer.stage(f"tree_graphs:{budget_label(budget)}"):
-                        self._graphed_runners += self._build_graphed(budget, max_blocks, kinds)
-                self.graphed_tree, self.graphed_sampled = self._graphed_runners[:2]  # type: ignore[assignment]
+            captured = capture_steps(model, self.pool, spec, engine_config, self.budget, self._chain_budgets,
+                                     max_blocks, chunk, drafts, timer)  # fmt: skip
+            self.static_forward, self.draft_layers = captured.static_forward, captured.draft_layers
+            self._graphed_runners = captured.runners
+            if self.drafter is not None:
+                self.drafter.static_catch_up = captured.catch_up
+            if captured.runners:
+                self.graphed_tree, self.graphed_sampled = captured.runners[:2]  # type: ignore[assignment]
         self.adaptive: AdaptiveController | None = None
         if spec.method == "adaptive":
             self.adaptive = AdaptiveController(self, self.budget, self._chain_budgets)
@@ -222,25 +202,6 @@ class LLMEngine:
             # Every captured arm's step time at every batch bucket (engine.spec.arm_calibration).
             with timer.stage("arm_calibration"):
                 self.adaptive.calibrate_arms(self)
-
-    def _build_graphed(self, budget: TreeBudget, max_blocks: int, kinds: list[bool]) -> list[GraphedTreeStep]:
-        """The device-resident steps of ``budget`` for greedy (False in ``kinds``) and sampled
-        (True) batches, greedy first."""
-        cfg, reuse = self.model_config, self.spec.reuse_last_module
-        use_graphs = self.device.type == "cuda"
-        max_batch = self.config.max_batch_size
-        drafts = self.draft_layers
-        runners: list[GraphedTreeStep] = []
-        if False in kinds:
-            runners.append(GraphedGreedyTree(self.model, self.pool, budget, max_blocks, max_batch, use_graphs=use_graphs,
-                                             reuse_last_module=reuse, draft_layers=drafts))  # fmt: skip
-        if True in kinds:
-            # Without reuse of the last module, no draft is deeper than the modules.
-            depth = budget.depth if reuse else min(budget.depth, cfg.num_mtp_modules)
-            shape = sampled_tree_shape(dataclasses.replace(budget, depth=depth), None)
-            runners.append(GraphedSampledTree(self.model, self.pool, budget, shape, max_blocks, max_batch,
-                                              use_graphs=use_graphs, reuse_last_module=reuse, draft_layers=drafts))  # fmt: skip
-        return runners
 
     def graphed_budgets(self, sampled: bool) -> list[TreeBudget]:
         """Budgets with a device-resident step for greedy (or sampled) batches."""
