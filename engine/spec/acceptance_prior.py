@@ -21,7 +21,7 @@ yield per step: the H200's batch 1 ran chain-4 for its first ~25 steps in some r
 against 2.88-3.09x where the tree was chosen at once, session 42). Other folders (a
 DeepSeek-V3 checkpoint) get the generic ``DEFAULT_PRIOR``. Either way the prior only stands in
 until the first runs measure the arms: a measured yield outweighs it after a few sequence-steps
-(``engine.spec.arms.YIELD_PRIOR_SEQ_STEPS``), and live statistics replace it.
+(``engine.spec.arm_measurements.YIELD_PRIOR_SEQ_STEPS``), and live statistics replace it.
 """
 
 from __future__ import annotations

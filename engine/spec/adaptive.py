@@ -49,7 +49,8 @@ from engine.simulator import (
 )
 from engine.spec.acceptance_prior import DEFAULT_PRIOR
 from engine.spec.arm_calibration import ArmTiming, calibrate_arms
-from engine.spec.arms import YIELD_PRIOR_SEQ_STEPS, MeasuredArms
+from engine.spec.arm_measurements import YIELD_PRIOR_SEQ_STEPS
+from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget, steady_catch_up_rows
 
 if TYPE_CHECKING:

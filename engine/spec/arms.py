@@ -6,7 +6,8 @@ bucket (powers of two) the engine's captured budgets — no speculation, a chain
 have a cost per emitted token: an EWMA of the step time in the bucket over the tokens per
 sequence the budget yields (pooled over buckets, each step weighted by its sequences: one
 bucket's few steps measure a yield poorly, one prompt's steps stand for one prompt).
-The cheapest arm is used.
+The cheapest arm is used. (What is measured, and how it is kept: ``engine.spec.arm_measurements``;
+this module makes the choice.)
 
 On a GPU every arm's step time at every batch bucket is calibrated at start-up
 (``engine.spec.arm_calibration``, ``seed_cost``): the latency model of the verify step as a
@@ -74,14 +75,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.spec.catch_up_cost import CatchUpCost
+from engine.spec.arm_measurements import MIN_MEASURED, ArmMeasurements, Bucket, Estimate
 from engine.spec.drafter import TreeBudget
-from engine.spec.drain import YieldSpread, closed_batch_seconds
+from engine.spec.drain import closed_batch_seconds
 
-YIELD_RATE = 0.02  # EWMA weight of one sequence-step in the pooled yield
-MIN_MEASURED = 3  # steady steps of an arm before its bucket cost counts
 RUN = 3  # steps per exploration run: after AR steps the first one catches the MTP modules up
 EXPLORE_SHARE = 0.02  # of the chosen arm's time, spent re-running an arm measured in the bucket
 EXPLORE_SHARE_NEW = 0.1  # the same for an arm not measured in the bucket yet
@@ -92,9 +91,7 @@ DRAIN_STEPS = 2.0  # drafting steps a switch is charged for its drain while the 
 MAX_HORIZON_TOKENS = 256  # tokens per sequence it may count on, whatever max_tokens allows
 MAX_EXPLORE_INTERVAL = 1024  # bucket steps a catch-up may defer a run to, at most
 EXTRAPOLATION_MARGIN = 0.5  # per batch doubling an estimate is extrapolated over, in a switch
-FLOOR_RISE = 0.05  # EWMA weight of a dearer step in an arm's floor cost per token
 HOLD_STEPS = 4  # steps a choice stands for the same bucket and arms before it is made afresh
-YIELD_PRIOR_SEQ_STEPS = 16.0  # sequence-steps of measurement the simulator's yield counts as
 FILL_REMEASURE = 32  # free filling choices of a bucket between runs of the filling arm not chosen
 # Sequence-steps of measured yield below which a drafting arm's yield is still being learnt: it
 # is re-run as soon as the time served since its last run pays for the run (``_relearn``).
@@ -137,97 +134,16 @@ class FillQuestion:
                                           "drain_ms": w.drain * 1e3, "margin": w.margin})}  # fmt: skip
 
 
-@dataclass
-class StepCost:
-    """EWMAs of one kind of decode step in one batch bucket: seconds, sequences and emitted
-    tokens per step.
-
-    A step counts at most twice the fastest one seen: a stall (a graph's first replay uploads
-    it, a garbage collection, a page fault) is not what the choice costs, and one such step
-    used to swing the decision for hundreds of steps.
-    """
-
-    seconds: float
-    rows: float
-    tokens: float
-    count: int
-    fastest: float = float("inf")
-    # Seconds per token when the host is not disturbed: follows a cheaper step at once, a
-    # dearer one slowly (what a switch away from this arm is weighed against).
-    floor: float = float("inf")
-    served: int = 0  # steps of it served in the bucket (a calibrated cost counts none)
-    calibrated: float | None = None  # the start-up calibration's step seconds, if seeded
-
-    def add(self, seconds: float, rows: int, tokens: int) -> None:
-        self.served += 1
-        per_token = seconds / max(tokens, 1)
-        if per_token < self.floor:
-            self.floor = per_token
-        else:
-            self.floor += (per_token - self.floor) * FLOOR_RISE
-        self.fastest = min(self.fastest, seconds)
-        seconds = min(seconds, 2 * self.fastest)
-        self.seconds = min(self.seconds, 2 * self.fastest)
-        rate = max(0.2, 1 / (self.count + 1))
-        self.seconds += (seconds - self.seconds) * rate
-        self.rows += (rows - self.rows) * rate
-        self.tokens += (tokens - self.tokens) * rate
-        self.count += 1
-
-
-@dataclass
-class _Bucket:
-    # Steps chosen in this bucket: exploration waits count the bucket's own steps, so a bucket
-    # the batch only passes through (growing through its prefill, shrinking as requests end)
-    # does not find every arm overdue each time it comes back.
-    steps: int = 0
-    costs: dict[TreeBudget, StepCost] = field(default_factory=dict)
-    last_run: dict[TreeBudget, int] = field(default_factory=dict)  # arm -> bucket step it last ran
-
-
-def _add_step(bucket: _Bucket, arm: TreeBudget, seconds: float, rows: int, tokens: int) -> None:
-    """One served step of ``arm`` into ``bucket``'s cost of it (the first one starts it)."""
-    cost = bucket.costs.get(arm)
-    if cost is None:
-        bucket.costs[arm] = StepCost(seconds, float(rows), float(tokens), 1, seconds, seconds / tokens, served=1)
-    else:
-        cost.add(seconds, rows, tokens)
-
-
-@dataclass
-class _Estimate:
-    step: float  # seconds per step at this bucket
-    per_token: float  # seconds per emitted token
-    measured: bool  # measured in this bucket (else extrapolated from another)
-    source: int  # the nearest bucket it was measured in
-
-
-class MeasuredArms:
+class MeasuredArms(ArmMeasurements):
     """Per batch bucket, the arm with the lowest measured (or extrapolated) seconds per token."""
 
     def __init__(self, explore_every: int = 16) -> None:
+        super().__init__()
         self.explore_every = explore_every
-        self._buckets: dict[tuple[int, bool], _Bucket] = {}
-        # Tokens per sequence per step of each speculating arm, pooled over buckets:
-        # (sampled, arm) -> (EWMA, sequence-steps seen).
-        self._yield: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
         self._run: tuple[TreeBudget, int] | None = None  # arm being explored, steps left
         # The last choice, (bucket, sampled, arms, behind), arm, bucket step until which it
         # stands: its inputs move slowly, and making it costs host time each step.
         self._held: tuple[tuple[int, bool, tuple[TreeBudget, ...], bool], TreeBudget, int] | None = None
-        # What an MTP catch-up costs (the same work for greedy and sampled batches).
-        self.catch_up = CatchUpCost()
-        # Tokens per sequence per step of each speculating arm over all its steps, (tokens,
-        # sequence-steps): the reference a sequence's relative yield is taken against.
-        self._lifetime: dict[tuple[bool, TreeBudget], tuple[float, int]] = {}
-        # How yields spread over sequences: what a closed batch's drain costs (engine.spec.drain).
-        self.spread = YieldSpread()
-        # The simulator's tokens per sequence per step of each drafting arm (sampled, arm).
-        # (sampled, arm) -> (predicted tokens per step, the sequence-steps it counts as)
-        self._predicted: dict[tuple[bool, TreeBudget], tuple[float, float]] = {}
-        # Whole engine steps that prefilled and decoded, per decode batch bucket and arm
-        # (``observe_filling``): apart from the steady costs, which they would distort.
-        self._fill: dict[tuple[int, bool], _Bucket] = {}
         # The drafting arm the filling steps of the fill under way keep (``_filling_arm``).
         self._fill_drafting: TreeBudget | None = None
         # The terms of the last switch weighed on costs (``_switch_pays``; diagnosis tools).
@@ -235,203 +151,9 @@ class MeasuredArms:
         # The newest fill questions (``drafting_arm``) and how many were asked in all.
         self.fill_questions: deque[FillQuestion] = deque(maxlen=64)
         self.fill_questions_asked = 0
-        # Seconds of decode steps served (steady and filling), and that clock's reading when
-        # each arm last began an exploring run: what a run to learn a thin yield may spend.
-        self._served_s = 0.0
+        # The served-seconds clock's reading (``_served_s``) when each arm last began an
+        # exploring run.
         self._explored_at: dict[tuple[bool, TreeBudget], float] = {}
-
-    def _bucket(self, bucket: int, sampled: bool) -> _Bucket:
-        found = self._buckets.get((bucket, sampled))  # (no throwaway _Bucket at every step)
-        if found is None:
-            found = self._buckets[(bucket, sampled)] = _Bucket()
-        return found
-
-    # ------------------------------------------------------------------ measurements
-    def observe(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, tokens: int) -> None:
-        """One steady decode step of ``arm``: its wall time and the tokens it produced before
-        max_tokens / stop truncation."""
-        if tokens <= 0:
-            return
-        self._served_s += seconds
-        _add_step(self._bucket(batch_size.bit_length(), sampled), arm, seconds, batch_size, tokens)
-        if arm.speculates:
-            self._observe_yield(batch_size, sampled, arm, tokens)
-            total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
-            self._lifetime[(sampled, arm)] = (total + tokens, seq_steps + batch_size)
-
-    def seed_cost(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float) -> None:
-        """A step time calibrated at start-up (``engine.spec.arm_calibration``): ``arm``'s cost in
-        this batch's bucket before any step of it ran there, counted as ``MIN_MEASURED`` steps
-        (the steps served refine it). Its yield is left to the acceptance statistics: an arm
-        with a seeded cost but no measured yield is run once soon (``choose``)."""
-        if not seconds > 0.0:
-            raise ValueError(f"a calibrated step time is positive, got {seconds}")
-        self._bucket(batch_size.bit_length(), sampled).costs[arm] = StepCost(
-            seconds, float(batch_size), float(batch_size), MIN_MEASURED, seconds, seconds / batch_size,
-            calibrated=seconds,
-        )
-
-    def observe_filling(self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, tokens: int) -> None:
-        """One whole engine step that prefilled requests joining the batch and decoded its
-        ``batch_size`` sequences with ``arm``: its wall time from the prefill's start to the
-        decode's last read (the same prefill work under either arm, and for a drafting arm
-        the newcomers' batch rows loaded afresh) and the tokens the decode produced."""
-        if tokens > 0:
-            self._served_s += seconds
-            bucket = self._fill.setdefault((batch_size.bit_length(), sampled), _Bucket())
-            _add_step(bucket, arm, seconds, batch_size, tokens)
-
-    def observe_counterfactual_yield(self, batch_size: int, sampled: bool, arm: TreeBudget, tokens: int) -> None:
-        """The ``tokens`` drafting ``arm`` would have produced in a step another arm ran over
-        the same ``batch_size`` sequences (a tree step's accepted path through rank-0 children
-        is what the chain would have accepted: ``StepResults.chain_tokens``). Arms compared on
-        the same prompts: at batch 1 every request is another prompt, and a chain run on an
-        easy one once outranked a tree measured on a hard one for a whole request."""
-        if tokens > 0 and arm.speculates:
-            self._observe_yield(batch_size, sampled, arm, tokens)
-
-    def _observe_yield(self, batch_size: int, sampled: bool, arm: TreeBudget, tokens: int) -> None:
-        # A memory of ~50 sequence-steps, each step weighted by its sequences: a batch of 16 is
-        # 16 samples of the yield, and prompts differ (a batch of one easy prompt must not set
-        # the yield a batch of 16 then relies on).
-        mean, n = self._yield.get((sampled, arm), (0.0, 0))
-        weight = max(1 - (1 - YIELD_RATE) ** batch_size, batch_size / (n + batch_size))
-        mean += (tokens / batch_size - mean) * weight
-        self._yield[(sampled, arm)] = (mean, n + batch_size)
-
-    def set_predicted_yield(
-        self, sampled: bool, arm: TreeBudget, tokens_per_step: float, weight: float = YIELD_PRIOR_SEQ_STEPS
-    ) -> None:
-        """The simulator's expected tokens per sequence per step of drafting ``arm`` (its
-        shape's expected accepted length plus the bonus token, under live statistics), counting
-        as ``weight`` sequence-steps of measurement (less for a prior than for live statistics)."""
-        if not tokens_per_step >= 1.0:
-            raise ValueError(f"a predicted yield is at least 1 token per step, got {tokens_per_step}")
-        if not weight > 0.0:
-            raise ValueError(f"a prediction's weight must be positive, got {weight}")
-        self._predicted[(sampled, arm)] = (tokens_per_step, weight)
-
-    def predicted_yield(self, sampled: bool, arm: TreeBudget) -> float | None:
-        """The prediction ``set_predicted_yield`` last gave ``arm`` (None: none yet)."""
-        predicted = self._predicted.get((sampled, arm))
-        return None if predicted is None else predicted[0]
-
-    def arm_yield(self, sampled: bool, arm: TreeBudget) -> float | None:
-        """Tokens per sequence per step ``arm`` is expected to yield: the simulator's prediction
-        averaged with the measured yield (an EWMA over ~``1 / YIELD_RATE`` sequence-steps, so it
-        counts as at most that many), the prediction weighing what it was set with
-        (``YIELD_PRIOR_SEQ_STEPS`` for live statistics); either alone where the other is
-        missing (None: neither)."""
-        measured = self._yield.get((sampled, arm))
-        predicted = self._predicted.get((sampled, arm))
-        if predicted is None:
-            return None if measured is None else measured[0]
-        value, prior = predicted
-        if measured is None:
-            return value
-        mean, seen = measured
-        weight = min(float(seen), 1.0 / YIELD_RATE)
-        return (mean * weight + value * prior) / (weight + prior)
-
-    def mean_yield(self, sampled: bool, arm: TreeBudget) -> float:
-        """Tokens per sequence per step ``arm`` has produced over all its steps (1.0 before any):
-        the engine sums it over each sequence's drafting steps, what ``observe_finished`` takes
-        as ``expected``."""
-        total, seq_steps = self._lifetime.get((sampled, arm), (0.0, 0))
-        return total / seq_steps if seq_steps else 1.0
-
-    def observe_finished(self, tokens: float, expected: float, steps: int) -> None:
-        """A finished sequence's ``tokens`` over ``steps`` drafting steps, against the
-        ``expected`` tokens of an average sequence in them (``engine.spec.drain``)."""
-        self.spread.observe(tokens, expected, steps)
-
-    def observe_catch_up(
-        self, batch_size: int, sampled: bool, arm: TreeBudget, seconds: float, lag_rows: int,
-        timed_alone: bool = False,
-    ) -> None:
-        """A first step of ``arm`` that caught the MTP modules up over ``lag_rows`` rows (the
-        prompts of new requests, the tokens of autoregressive steps). ``seconds``: the catch-up
-        alone (``timed_alone``, as the graphed path times it) or the whole step, whose time
-        beyond a steady step of ``arm`` is then the catch-up. Nothing is recorded while ``arm``
-        has no steady step measured anywhere: the first steps also compile kernels and upload
-        graphs (one such catch-up, taken at face value, once kept a GPU from drafting at all)."""
-        est = self.estimate(batch_size.bit_length(), sampled, arm)
-        if est is None or lag_rows <= 0:
-            return
-        self.catch_up.observe(lag_rows, seconds if timed_alone else max(seconds - est.step, 0.0))
-
-    def catch_up_seconds(self, lag_rows: int) -> float:
-        """What catching the MTP modules up over ``lag_rows`` rows costs (0 until measured or
-        calibrated; ``engine.spec.catch_up_cost``)."""
-        return self.catch_up.seconds(lag_rows)
-
-    def cost_table(self) -> list[tuple[bool, TreeBudget, StepCost]]:
-        """Every arm's measured step cost per batch-size bucket (at least ``MIN_MEASURED``
-        steady steps): (sampled, arm, cost), smallest buckets first."""
-        return [
-            (sampled, arm, cost)
-            for (_, sampled), bucket in sorted(self._buckets.items())
-            for arm, cost in bucket.costs.items()
-            if cost.count >= MIN_MEASURED
-        ]
-
-    def bucket_costs(self, batch_size: int, sampled: bool) -> dict[TreeBudget, StepCost]:
-        """The costs recorded in ``batch_size``'s bucket, by arm (diagnosis tools)."""
-        return dict(self._buckets.get((batch_size.bit_length(), sampled), _Bucket()).costs)
-
-    def fill_cost_table(self) -> list[tuple[bool, TreeBudget, StepCost]]:
-        """Every arm's measured filling step per decode batch bucket (``observe_filling``):
-        (sampled, arm, cost), smallest buckets first."""
-        return [
-            (sampled, arm, cost)
-            for (_, sampled), bucket in sorted(self._fill.items())
-            for arm, cost in bucket.costs.items()
-        ]
-
-    def per_token(self, bucket: int, sampled: bool, arm: TreeBudget) -> float | None:
-        """Measured seconds per emitted token of ``arm`` in ``bucket`` (None: not measured)."""
-        cost = self._buckets.get((bucket, sampled), _Bucket(0)).costs.get(arm)
-        if cost is None or cost.count < MIN_MEASURED:
-            return None
-        return cost.seconds / (cost.rows * self.tokens_per_seq(sampled, arm, cost))
-
-    def tokens_per_seq(self, sampled: bool, arm: TreeBudget, cost: StepCost) -> float:
-        """Tokens per sequence per step the choice counts on for ``arm`` with bucket ``cost``: a
-        drafting arm's yield (``arm_yield``, pooled over buckets) where known, else the bucket's
-        measured tokens (one per sequence for a step time only calibrated)."""
-        expected = self.arm_yield(sampled, arm) if arm.speculates else None
-        return cost.tokens / cost.rows if expected is None else expected
-
-    def estimate(self, bucket: int, sampled: bool, arm: TreeBudget) -> _Estimate | None:
-        """``arm``'s cost at ``bucket``: measured there, else extrapolated from the buckets where
-        it was measured (None: measured nowhere). With two or more, the step time is the line
-        through the two nearest (time = fixed + per sequence x batch, never decreasing); with
-        one, that bucket's step time as it is."""
-        own = self._buckets.get((bucket, sampled))
-        cost = None if own is None else own.costs.get(arm)
-        if cost is not None and cost.count >= MIN_MEASURED:  # measured (or calibrated) here
-            per_token = cost.seconds / (cost.rows * self.tokens_per_seq(sampled, arm, cost))
-            return _Estimate(cost.seconds, per_token, True, bucket)
-        found = sorted(
-            ((abs(b - bucket), -b, b) for (b, s), bk in self._buckets.items()
-             if s == sampled and (c := bk.costs.get(arm)) is not None and c.count >= MIN_MEASURED),
-        )  # fmt: skip
-        if not found:
-            return None
-        near = [self._buckets[(b, sampled)] for *_, b in found[:2]]
-        cost = near[0].costs[arm]
-        rows = float(1 << (bucket - 1))
-        step = cost.seconds
-        if len(near) == 2:
-            other = near[1].costs[arm]
-            if other.rows != cost.rows:
-                slope = max((other.seconds - cost.seconds) / (other.rows - cost.rows), 0.0)
-                # Never below the nearest bucket's time (larger batch) or its time scaled by
-                # the batch (smaller batch: a line with a negative fixed part).
-                floor = cost.seconds * min(rows / cost.rows, 1.0)
-                step = max(cost.seconds + slope * (rows - cost.rows), floor)
-        per_token = step / (rows * self.tokens_per_seq(sampled, arm, cost))
-        return _Estimate(step, per_token, False, found[0][2])
 
     # ------------------------------------------------------------------ choice
     def choose(
@@ -603,7 +325,7 @@ class MeasuredArms:
 
     def _cheapest(
         self, target: int, sampled: bool, arms: list[TreeBudget]
-    ) -> tuple[dict[TreeBudget, _Estimate | None], TreeBudget | None]:
+    ) -> tuple[dict[TreeBudget, Estimate | None], TreeBudget | None]:
         """Every arm's estimate at bucket ``target`` and the one cheapest per token (the first
         of equals; None: none measured anywhere)."""
         estimates = {arm: self.estimate(target, sampled, arm) for arm in arms}
@@ -611,7 +333,7 @@ class MeasuredArms:
         return estimates, (arms[min(known)[1]] if known else None)
 
     def _base_cost(
-        self, target: int, sampled: bool, no_spec: TreeBudget, base: _Estimate | None, batch_size: int
+        self, target: int, sampled: bool, no_spec: TreeBudget, base: Estimate | None, batch_size: int
     ) -> float | None:
         """Autoregressive decoding's seconds per token a switch to drafting is weighed against:
         measured in the bucket, at its floor cost (its steps' cost varies with the host's load,
@@ -639,7 +361,7 @@ class MeasuredArms:
         return cost
 
     def _switch_pays(
-        self, arm: TreeBudget, est: _Estimate | None, base_cost: float | None, batch_size: int,
+        self, arm: TreeBudget, est: Estimate | None, base_cost: float | None, batch_size: int,
         sampled: bool, catch_up: float, drains: bool, tokens_left: float | None,
     ) -> bool:
         """Whether ``arm`` may be chosen over autoregressive decoding (``base_cost`` seconds per
@@ -667,7 +389,7 @@ class MeasuredArms:
         return self.last_weighing.pays
 
     def _weigh(
-        self, arm: TreeBudget, est: _Estimate, base_cost: float, batch_size: int, sampled: bool,
+        self, arm: TreeBudget, est: Estimate, base_cost: float, batch_size: int, sampled: bool,
         catch_up: float, drains: bool, tokens_left: float | None,
     ) -> SwitchWeighing:
         """The terms a switch from autoregressive decoding to drafting ``arm`` is weighed by."""
@@ -688,7 +410,7 @@ class MeasuredArms:
         return SwitchWeighing(arm, saving, catch_up, drain, margin)
 
     def _saving(
-        self, new: _Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,
+        self, new: Estimate, base_cost: float, batch_size: int, sampled: bool, arm: TreeBudget,
         tokens_left: float | None,
     ) -> float:
         """Seconds drafting with ``new`` saves against autoregressive decoding (``base_cost``
@@ -705,7 +427,7 @@ class MeasuredArms:
         return tokens * (base_cost - new.per_token)
 
     def _drain_seconds(
-        self, est: _Estimate, batch_size: int, sampled: bool, arm: TreeBudget, tokens_left: float
+        self, est: Estimate, batch_size: int, sampled: bool, arm: TreeBudget, tokens_left: float
     ) -> float:
         """What the batch's sequences finishing at different steps adds to ``arm``'s steady cost
         over the horizon (``engine.spec.drain.closed_batch_seconds`` less the steady cost)."""
@@ -724,7 +446,7 @@ class MeasuredArms:
         return max(whole - steps * step_at(batch_size), 0.0)
 
     def _relearn(
-        self, sampled: bool, arm: TreeBudget, chosen: TreeBudget, est: _Estimate, chosen_cost: float,
+        self, sampled: bool, arm: TreeBudget, chosen: TreeBudget, est: Estimate, chosen_cost: float,
         catch_up: float,
     ) -> bool:
         """Whether drafting ``arm``, whose yield was measured on fewer than
@@ -741,7 +463,7 @@ class MeasuredArms:
         return run_cost <= EXPLORE_SHARE_NEW * (self._served_s - self._explored_at.get((sampled, arm), 0.0))
 
     def _worth_measuring(
-        self, target: int, sampled: bool, arm: TreeBudget, est: _Estimate, baseline: TreeBudget,
+        self, target: int, sampled: bool, arm: TreeBudget, est: Estimate, baseline: TreeBudget,
         chosen_cost: float,
     ) -> bool:
         """Whether an arm only extrapolated to this bucket should be measured here soon: not if
@@ -783,7 +505,7 @@ class MeasuredArms:
         first full steps against ~6, rounds at 0.79-1.22x against 1.15-1.24x)."""
         if not chosen.speculates:
             return chosen
-        fill = self._fill.setdefault((target, sampled), _Bucket())
+        fill = self._fill.setdefault((target, sampled), Bucket())
         mine, base = fill.costs.get(chosen), fill.costs.get(no_spec)
         keep = True
         if mine is None or mine.count < MIN_MEASURED:
@@ -802,16 +524,16 @@ class MeasuredArms:
 
     def _fill_step(self, target: int, sampled: bool, arm: TreeBudget) -> TreeBudget:
         """Count a filling step of ``arm`` in bucket ``target``'s filling choices."""
-        fill = self._fill.setdefault((target, sampled), _Bucket())
+        fill = self._fill.setdefault((target, sampled), Bucket())
         fill.steps += 1
         fill.last_run[arm] = fill.steps
         return arm
 
-    def _explore(self, bucket: _Bucket, sampled: bool, arm: TreeBudget) -> TreeBudget:
+    def _explore(self, bucket: Bucket, sampled: bool, arm: TreeBudget) -> TreeBudget:
         self._explored_at[(sampled, arm)] = self._served_s
         self._run = (arm, RUN - 1)
         return self._ran(bucket, arm)
 
-    def _ran(self, bucket: _Bucket, arm: TreeBudget) -> TreeBudget:
+    def _ran(self, bucket: Bucket, arm: TreeBudget) -> TreeBudget:
         bucket.last_run[arm] = bucket.steps
         return arm

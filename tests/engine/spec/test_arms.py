@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.arms import MeasuredArms, StepCost
+from engine.spec.arm_measurements import StepCost
+from engine.spec.arms import MeasuredArms
 from engine.spec.drafter import TreeBudget
 
 NO_SPEC = TreeBudget(topk=1, depth=0, num_draft_tokens=0)
