@@ -32,6 +32,8 @@ from engine.startup_timer import StartupTimer
 
 @dataclass
 class CapturedSteps:
+    """What ``capture_steps`` built; the engine takes each part over."""
+
     static_forward: StaticTargetForward
     # The MTP modules' drafting forward (engine/model/draft_layer.py), shared by the catch-up
     # and every tree step (empty: nothing drafts on the static path).

@@ -59,6 +59,9 @@ def summarize(seqs: list[Sequence], depth: int) -> tuple[int, float, bool]:
 
 
 class BatchChoice:
+    """The engine's per-step budget choice and what it carries between steps (the batch
+    summary, the latch, the fill's answer)."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.summary: BatchSummary | None = None  # after an autoregressive step, for the next

@@ -50,6 +50,9 @@ class Verified(NamedTuple):
 
 
 class HostTreeStep:
+    """Speculative steps driven from the host over the engine's model, KV pool and drafter;
+    ``forward``: the target's decode forward (static shapes where they fit, else eager)."""
+
     def __init__(
         self, model: DeepseekV3ForCausalLM, pool: BlockPool, drafter: MTPDrafter, forward: TargetForward
     ) -> None:
