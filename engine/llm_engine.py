@@ -1131,6 +1131,8 @@ class LLMEngine:
         seq.yield_clock = None
         steps, expected = self._yield_clock
         steps -= steps0
+        if not steps:  # no drafting step in its life (a batch that decoded autoregressively)
+            return
         tokens = seq.stats.num_accepted_tokens - last_accepted - accepted0 + steps
         self.adaptive.arms.observe_finished(tokens, expected - expected0, steps)
 

@@ -5,7 +5,7 @@ Frozen dataclasses validated on construction: a bad value raises ``ValueError`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 SpecMethod = Literal["none", "chain", "tree", "adaptive"]
@@ -33,6 +33,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Derived on construction (read per sequence in every step's host work, where a property's
+    # call per read showed: ``scripts/closed_round_ops.py``).
+    greedy: bool = field(init=False, repr=False, compare=False)
+    has_penalties: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -55,14 +59,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
-
-    @property
-    def greedy(self) -> bool:
-        return float(self.temperature) == 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        object.__setattr__(self, "greedy", float(self.temperature) == 0.0)
+        object.__setattr__(self, "has_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
 
 
 @dataclass(frozen=True)
