@@ -73,10 +73,12 @@ def engines(preset: str, batch: int, chunk: int) -> dict[str, LLMEngine]:
     return out
 
 
-def count_round(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[dict[str, Any]]:
-    """One closed batch, as ``bench.engine_run.run_batch`` runs it: per step, its kind and the
-    ops and Python calls it issued."""
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def count_round(
+    eng: LLMEngine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
+) -> list[dict[str, Any]]:
+    """One closed batch (greedy, or sampled at ``temperature``), as ``bench.engine_run.run_batch``
+    runs it: per step, its kind and the ops and Python calls it issued."""
+    sp = SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True)
     steps: list[dict[str, Any]] = []
     with eng.closed_batch():
         for i, p in enumerate(prompts):
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens (CUDA's default)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds")
     args = parser.parse_args()
     engs = engines(args.preset, args.batch, args.chunk)
     vocab = engs["none"].model_config.vocab_size
@@ -113,11 +116,11 @@ def main() -> None:
     prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.batch)]
     rounds = {}
     for name, eng in engs.items():
-        count_round(eng, prompts, 8)  # warm-up: first calls build plans and caches
-        rounds[name] = count_round(eng, prompts, args.new_tokens)
+        count_round(eng, prompts, 8, args.temperature)  # warm-up: first calls build plans and caches
+        rounds[name] = count_round(eng, prompts, args.new_tokens, args.temperature)
     base, ad = rounds["none"], rounds["adaptive"]
     print(f"preset {args.preset}, batch {args.batch}, {args.prompt_tokens}+{args.new_tokens} tokens, "
-          f"chunk {args.chunk}; per step: ops / Python calls, baseline then adaptive (AR)")  # fmt: skip
+          f"chunk {args.chunk}, T={args.temperature}; per step: ops / Python calls, baseline then adaptive (AR)")  # fmt: skip
     for i in range(max(len(base), len(ad))):
         b = base[i] if i < len(base) else None
         a = ad[i] if i < len(ad) else None

@@ -3,20 +3,22 @@ autoregressively issues the baseline's device ops step by step, and little more 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.spec.adaptive import NO_SPEC
 from scripts.closed_round_ops import count_round, engines
 
 
-def test_an_adaptive_engine_decoding_autoregressively_issues_the_baselines_ops() -> None:
-    engs = engines("tiny", batch=24, chunk=512)  # 24 prompts of 64 tokens: 3 filling steps
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_an_adaptive_engine_decoding_autoregressively_issues_the_baselines_ops(temperature: float) -> None:
+    engs = engines("tiny", batch=16, chunk=512)  # 16 prompts of 64 tokens: 2 filling steps
     vocab = engs["none"].model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (64,), generator=gen).tolist() for _ in range(24)]
+    prompts = [torch.randint(3, vocab, (64,), generator=gen).tolist() for _ in range(16)]
     for eng in engs.values():
-        count_round(eng, prompts, 4)  # warm-up: first calls build plans and caches
-    base, adaptive = (count_round(engs[m], prompts, 12) for m in ("none", "adaptive"))
+        count_round(eng, prompts, 4, temperature)  # warm-up: first calls build plans and caches
+    base, adaptive = (count_round(engs[m], prompts, 10, temperature) for m in ("none", "adaptive"))
     controller = engs["adaptive"].adaptive
     assert controller is not None and list(controller.steps_per_arm) == [NO_SPEC]  # it chose no drafting
     assert [s["kind"] for s in adaptive] == [s["kind"] for s in base]
