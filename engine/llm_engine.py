@@ -522,64 +522,77 @@ class LLMEngine:
         self._catch_up_s = None
         self._step_tokens = 0
         if decode:
-            closed = not plan.prefill and self._batch_closed()
-            budget, lag, sampled = self.batch_choice.choose(decode, bool(plan.prefill), closed)
-            self.last_decode_budget = budget_label(budget)
-            self._last_drafting = budget if budget.speculates else None
-            # A decode step next to a prefill is not timed: timing it alone would mean waiting
-            # for the prefill's device work first, and the device would idle while the host
-            # builds the step. The steps without a prefill measure what each arm costs. (Timed
-            # alone, each of the 3 chain-4 steps filling the H200's batch 256 took ~5-7 ms more
-            # than the baseline's autoregressive one, ~2.3 ms of it that idle device; their batch
-            # grows in each, so neither was a steady step's cost.) The whole filling step is
-            # timed instead, prefill included, for the filling choice (below).
-            timed = self.adaptive is not None and not plan.prefill
-            start = time.perf_counter()
-            host_step = False  # a host-driven speculative step leaves device work queued
-            if budget.speculates:
-                self._hidden_log.flush()
-                host = decode
-                ahead = not plan.prefill and self._may_launch_ahead(decode)
-                for runner in self._graphed_steps(budget):
-                    if not host:
-                        break
-                    graphed, host = self._split_graphed(runner, host)
-                    if graphed:
-                        self._graphed_step(runner, graphed, outputs, ahead and not host)
-                        self._last_runner = runner
-                if host:
-                    self._speculative_step(host, budget, outputs)
-                    host_step = True
-            else:
-                self._autoregressive_step(decode, outputs, not plan.prefill and self._may_launch_ahead(decode))
-            if self.adaptive is not None and timed:
-                # Autoregressive and graphed steps end on a read of their last device result (the
-                # sampled tokens, the packed outputs), so the clock already covers their device
-                # work; only the host path's KV compaction is still queued.
-                if host_step:
-                    self.wait_for_device()
-                seconds = time.perf_counter() - start
-                if self._catch_up_s is not None:  # timed alone: the rest is a steady step
-                    self.adaptive.observe_catch_up(
-                        len(decode), budget, self._catch_up_s, lag, sampled, timed_alone=True
-                    )
-                    self.adaptive.observe(
-                        len(decode), budget, seconds - self._catch_up_s, self._step_tokens, sampled
-                    )
-                elif self._step_caught_up:  # not a steady step: what a switch to ``budget`` costs
-                    self.adaptive.observe_catch_up(len(decode), budget, seconds, lag, sampled)
-                else:
-                    self.adaptive.observe(len(decode), budget, seconds, self._step_tokens, sampled)
-            elif self.adaptive is not None and not self._step_caught_up:
-                # A filling step, timed whole from its prefill: what a filling step of this arm
-                # costs (``MeasuredArms.observe_filling``), apart from the steady costs. (Its
-                # reads have waited for the prefill's device work; a host-path step's KV
-                # compaction may still be queued, as small as a steady step's.)
-                self.adaptive.observe_filling(
-                    len(decode), budget, time.perf_counter() - step_start, self._step_tokens, sampled
-                )
-            self._tick_yield_clock(budget, sampled)
+            self._decode(decode, bool(plan.prefill), step_start, outputs)
         return outputs
+
+    def _decode(
+        self, decode: list[Sequence], filling: bool, step_start: float, outputs: list[RequestOutput]
+    ) -> None:
+        """The step's decode over ``decode``: its budget chosen, the step run, and (adaptive
+        speculation) measured. ``filling``: the step also prefilled (from ``step_start``)."""
+        closed = not filling and self._batch_closed()
+        budget, lag, sampled = self.batch_choice.choose(decode, filling, closed)
+        self.last_decode_budget = budget_label(budget)
+        self._last_drafting = budget if budget.speculates else None
+        start = time.perf_counter()
+        ahead = not filling and self._may_launch_ahead(decode)
+        host_step = False  # a host-driven speculative step leaves device work queued
+        if budget.speculates:
+            self._hidden_log.flush()
+            host = decode
+            for runner in self._graphed_steps(budget):
+                if not host:
+                    break
+                graphed, host = self._split_graphed(runner, host)
+                if graphed:
+                    self._graphed_step(runner, graphed, outputs, ahead and not host)
+                    self._last_runner = runner
+            if host:
+                self._speculative_step(host, budget, outputs)
+                host_step = True
+        else:
+            self._autoregressive_step(decode, outputs, ahead)
+        if self.adaptive is not None:
+            self._observe_decode(len(decode), budget, lag, sampled, None if filling else start, step_start, host_step)
+        self._tick_yield_clock(budget, sampled)
+
+    def _observe_decode(
+        self, batch_size: int, budget: TreeBudget, lag: int, sampled: bool, start: float | None,
+        step_start: float, host_step: bool,
+    ) -> None:
+        """Hand adaptive speculation what the decode step just run cost: a steady step (its
+        catch-up, if it caught up first, apart), a switch's catch-up, or (``start`` None: the
+        step prefilled too) a filling step, timed whole from ``step_start``.
+
+        A decode step next to a prefill is not timed alone: that would mean waiting for the
+        prefill's device work first, and the device would idle while the host builds the step.
+        (Timed alone, each of the 3 chain-4 steps filling the H200's batch 256 took ~5-7 ms more
+        than the baseline's autoregressive one, ~2.3 ms of it that idle device; their batch grows
+        in each, so neither was a steady step's cost.)"""
+        assert self.adaptive is not None
+        if start is None:
+            if not self._step_caught_up:
+                # What a filling step of this arm costs (``MeasuredArms.observe_filling``), apart
+                # from the steady costs. (Its reads have waited for the prefill's device work; a
+                # host-path step's KV compaction may still be queued, as small as a steady
+                # step's.)
+                self.adaptive.observe_filling(
+                    batch_size, budget, time.perf_counter() - step_start, self._step_tokens, sampled
+                )
+            return
+        # Autoregressive and graphed steps end on a read of their last device result (the
+        # sampled tokens, the packed outputs), so the clock already covers their device work;
+        # only the host path's KV compaction is still queued.
+        if host_step:
+            self.wait_for_device()
+        seconds = time.perf_counter() - start
+        if self._catch_up_s is not None:  # timed alone: the rest is a steady step
+            self.adaptive.observe_catch_up(batch_size, budget, self._catch_up_s, lag, sampled, timed_alone=True)
+            self.adaptive.observe(batch_size, budget, seconds - self._catch_up_s, self._step_tokens, sampled)
+        elif self._step_caught_up:  # not a steady step: what a switch to ``budget`` costs
+            self.adaptive.observe_catch_up(batch_size, budget, seconds, lag, sampled)
+        else:
+            self.adaptive.observe(batch_size, budget, seconds, self._step_tokens, sampled)
 
     def _recover_from_failed_step(self) -> frozenset[str]:
         """``_step`` raised: park the sequences of its batch and put the device-step state back
