@@ -36,25 +36,15 @@ from typing import cast
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.model.config import ModelConfig
-from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.params import SpecMethod
 from engine.spec.adaptive import NO_SPEC
+from scripts.random_weights import random_model
 
 
 def random_engine(preset: str, device: torch.device, max_batch: int, methods: list[SpecMethod]) -> list[LLMEngine]:
     """Engines of each speculation method (``SpecConfig.method``) over the same random bf16
     weights of a training preset's shape."""
-    from train.presets import PRESETS
-
-    cfg = ModelConfig.from_hf_dict(PRESETS[preset].hf_config(0, 1, 2))
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model.eval()
+    model = random_model(preset, device)
     return [LLMEngine(model, None, frozenset(), SpecConfig(method=m),
                       EngineConfig(max_batch_size=max_batch, kv_memory_bytes=4 << 30), device)
             for m in methods]  # fmt: skip

@@ -33,12 +33,14 @@ from types import ModuleType
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spec_step_profile import random_adaptive_engine  # noqa: E402
 
 import bench.gpu_kernels as gk  # noqa: E402
 import engine.kernels.tree_mla_attention as current  # noqa: E402
 from engine.spec.adaptive import NO_SPEC, budget_label  # noqa: E402
 from engine.spec.arm_calibration import calibrate_arms  # noqa: E402
+from scripts.random_weights import preset_config  # noqa: E402
 
 # (batch, new tokens per sequence, context): decode rows, chains, trees, a prefill chunk.
 SHAPES = [(256, 1, 128), (256, 5, 128), (256, 9, 128), (256, 33, 128), (128, 5, 128), (64, 5, 128),
@@ -110,10 +112,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from engine.model.config import ModelConfig
-    from train.presets import PRESETS
-
-    cfg = ModelConfig.from_hf_dict(PRESETS[args.preset].hf_config(0, 1, 2))
+    cfg = preset_config(args.preset)
     gk.RANK, gk.ROPE, gk.BLOCK_SIZE = cfg.kv_lora_rank, cfg.qk_rope_head_dim, 16  # the engine's page
     baseline = load_baseline(args.baseline)
     result: dict = {"preset": args.preset, "baseline": str(args.baseline)}

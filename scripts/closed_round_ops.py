@@ -27,9 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.model.config import ModelConfig
-from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.spec.adaptive import NO_SPEC
+from scripts.random_weights import random_model
 
 
 class OpCounter(TorchDispatchMode):
@@ -48,15 +47,7 @@ def engines(preset: str, batch: int, chunk: int) -> dict[str, LLMEngine]:
     """The baseline and an adaptive engine over the same random weights of ``preset``'s shape,
     configured as on the GPU (static steps, overlap, ``chunk``-token prefill chunks); the
     adaptive one has every drafting arm measured far dearer than autoregressive decoding."""
-    from train.presets import PRESETS
-
-    cfg = ModelConfig.from_hf_dict(PRESETS[preset].hf_config(0, 1, 2))
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    model.eval()
+    model = random_model(preset, torch.device("cpu"))
     config = EngineConfig(max_batch_size=batch, kv_memory_bytes=2 << 30, cuda_graphs=True, overlap_steps=True,
                           prefill_chunk_tokens=chunk, calibrate_arms=False)  # fmt: skip
     out = {m: LLMEngine(model, None, frozenset(), SpecConfig(method=m), config, torch.device("cpu"))

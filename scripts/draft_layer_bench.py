@@ -20,9 +20,8 @@ import torch
 
 from bench.gpu_kernels import graph_ms
 from engine.model.attention_batch import AttentionBatch
-from engine.model.config import ModelConfig
-from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.model.draft_layer import DraftLayer
+from scripts.random_weights import random_model
 
 
 def batch_of(M: int, rows: int, context: int, block_size: int, device: torch.device) -> AttentionBatch:
@@ -51,16 +50,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--sizes", default="8,16,32,64,128,256,512,1024", help="M: rows per forward")
     args = parser.parse_args()
-    from train.presets import PRESETS
-
     device = torch.device("cuda")
-    cfg = ModelConfig.from_hf_dict(PRESETS[args.preset].hf_config(0, 1, 2))
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    model = model.to(device=device, dtype=torch.bfloat16).eval()
+    model = random_model(args.preset, device)
+    cfg = model.config
     model.fuse_projections()
     layer = model.mtp_layer(1)
     draft = DraftLayer(layer)

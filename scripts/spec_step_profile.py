@@ -29,26 +29,17 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.model.config import ModelConfig
-from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.spec.adaptive import NO_SPEC, budget_label
 from engine.spec.arm_calibration import calibrate_arms
 from engine.spec.drafter import TreeBudget
+from scripts.random_weights import random_model
 
 
 def random_adaptive_engine(preset: str, device: torch.device, max_batch: int,
                            drafting_layer: bool | None = None) -> LLMEngine:
     """An adaptive engine (its arms captured, not calibrated) over random weights of a
     training preset's shape."""
-    from train.presets import PRESETS
-
-    cfg = ModelConfig.from_hf_dict(PRESETS[preset].hf_config(0, 1, 2))
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model.eval()
+    model = random_model(preset, device)
     config = EngineConfig(max_batch_size=max_batch, kv_memory_bytes=(8 << 30) if device.type == "cuda" else 1 << 28,
                           cuda_graphs=True, calibrate_arms=False, drafting_layer=drafting_layer)  # fmt: skip
     return LLMEngine(model, None, frozenset(), SpecConfig(method="adaptive"), config, device)

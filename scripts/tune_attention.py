@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench.gpu_kernels as gk  # noqa: E402
 import engine.kernels.tree_mla_attention as attn  # noqa: E402
+from scripts.random_weights import preset_config  # noqa: E402
 
 CALLS_PER_GRAPH = 20
 
@@ -192,10 +193,7 @@ def main() -> None:
     grid = Grid(_ints(args.block_ms) or default.block_ms, _ints(args.block_ns) or default.block_ns,
                 _ints(args.splits) or default.splits)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    from engine.model.config import ModelConfig
-    from train.presets import PRESETS
-
-    cfg = ModelConfig.from_hf_dict(PRESETS[args.preset].hf_config(0, 1, 2))
+    cfg = preset_config(args.preset)
     heads, rank, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     contexts = [int(c) for c in args.contexts.split(",")]
     gk.RANK, gk.ROPE, gk.BLOCK_SIZE = rank, rope, 16  # the engine's page
