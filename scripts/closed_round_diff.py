@@ -47,6 +47,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def drafting_measured_dear(adaptive: LLMEngine, batches: list[int]) -> None:
+    """Every drafting arm of ``adaptive`` measured far dearer than an autoregressive step at
+    every batch bucket up to the largest of ``batches``: the engine then chooses autoregressive
+    decoding itself, through its real path (its choice, latch and measurements)."""
+    controller = adaptive.adaptive
+    assert controller is not None
+    for sampled in (False, True):
+        arms = controller._captured_arms(adaptive, sampled) or [controller.chain, controller._planned_tree(adaptive)]
+        for size in sorted({1 << k for k in range(max(batches).bit_length())} | set(batches)):
+            for _ in range(5):
+                controller.observe(size, NO_SPEC, 1e-3, size, sampled)
+                for arm in arms:
+                    controller.observe(size, arm, 1.0, 2 * size, sampled)
+
+
 def closed_round(
     eng: LLMEngine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0
 ) -> dict[str, float]:
@@ -154,15 +169,7 @@ def main() -> None:
     controller = adaptive.adaptive
     assert controller is not None
     if args.choosing:
-        # Every drafting arm measured far dearer than an autoregressive step at every batch
-        # bucket: the engine chooses autoregressive decoding itself, through its real path.
-        for sampled in (False, True):
-            arms = controller._captured_arms(adaptive, sampled) or [controller.chain, controller._planned_tree(adaptive)]
-            for size in sorted({1 << k for k in range(max(batches).bit_length())} | set(batches)):
-                for _ in range(5):
-                    controller.observe(size, NO_SPEC, 1e-3, size, sampled)
-                    for arm in arms:
-                        controller.observe(size, arm, 1.0, 2 * size, sampled)
+        drafting_measured_dear(adaptive, batches)
         if args.no_latch:
             import engine.spec.batch_choice
 

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.spec.adaptive import NO_SPEC
+from scripts.closed_round_diff import drafting_measured_dear
 from scripts.random_weights import random_model
 
 
@@ -52,15 +52,7 @@ def engines(preset: str, batch: int, chunk: int) -> dict[str, LLMEngine]:
                           prefill_chunk_tokens=chunk, calibrate_arms=False)  # fmt: skip
     out = {m: LLMEngine(model, None, frozenset(), SpecConfig(method=m), config, torch.device("cpu"))
            for m in ("none", "adaptive")}  # fmt: skip
-    controller = out["adaptive"].adaptive
-    assert controller is not None
-    for sampled in (False, True):
-        arms = controller._captured_arms(out["adaptive"], sampled)
-        for size in sorted({1 << k for k in range(batch.bit_length())} | {batch}):
-            for _ in range(5):
-                controller.observe(size, NO_SPEC, 1e-3, size, sampled)
-                for arm in arms:
-                    controller.observe(size, arm, 1.0, 2 * size, sampled)
+    drafting_measured_dear(out["adaptive"], [batch])
     return out
 
 
