@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-size", type=int, help="KV block size in tokens")
     add("--max-model-len", type=int, help="context length limit")
     add("--prefill-chunk-tokens", type=int, help="prefill chunk size")
-    add("--spec-method", choices=["none", "chain", "tree", "adaptive"])
+    add("--spec-method", choices=["none", "chain", "tree", "adaptive"], help="speculation (default adaptive: chosen per step by measured cost)")
     add("--spec-topk", type=int)
     add("--spec-depth", type=int)
     add("--spec-num-draft-tokens", type=int)

@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     overlap_steps: bool | None = None
     # EngineConfig.drafting_layer: the MTP modules' fused drafting forward; None: on CUDA in 16 bits.
     drafting_layer: bool | None = None
-    spec_method: Literal["none", "chain", "tree", "adaptive"] = "tree"
+    spec_method: Literal["none", "chain", "tree", "adaptive"] = "adaptive"
     spec_topk: int | None = Field(None, ge=1)
     spec_depth: int | None = Field(None, ge=1)
     spec_num_draft_tokens: int | None = Field(None, ge=1)

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--label", default="external", help="with --url: name of the setting")
     srv.add_argument("--server-logs", type=Path, default=None,
                      help="folder for the started servers' logs (default: a temp folder)")
-    srv.add_argument("--spec-methods", type=_strs, default=["tree", "none"])
+    srv.add_argument("--spec-methods", type=_strs, default=["adaptive", "none"])
     srv.add_argument("--server-args", default="", help="extra flags for mtpserve serve (one string)")
     load = srv.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop (default 4)")

@@ -29,7 +29,7 @@ class ServeSettings:
     url: str | None = None
     api_key: str | None = None
     label: str = "external"
-    spec_methods: list[str] = field(default_factory=lambda: ["tree", "none"])
+    spec_methods: list[str] = field(default_factory=lambda: ["adaptive", "none"])
     device: str = "cpu"
     server_args: list[str] = field(default_factory=list)
     threads: int | None = None  # torch CPU threads of a server started here
