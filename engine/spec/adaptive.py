@@ -43,6 +43,7 @@ from engine.simulator import (
     AcceptanceStats,
     LatencyModel,
     SpeculationPlanner,
+    TreePlan,
     TreeShape,
     expected_length,
     optimal_tree,
@@ -58,6 +59,11 @@ if TYPE_CHECKING:
 
 MIN_STEPS_FOR_LIVE_STATS = 32
 REPLAN_MAX_RECORDS = 16384
+# A re-plan replaces the host path's tree only if its predicted speed beats the old budget's by
+# this much: every new tree is an arm to measure, and the plans of neighbouring budgets are
+# within a few percent of each other (the demo model on a CPU re-planned chains of 1, 2, 3 and 5
+# in its first 200 steps, each explored in turn at batch 8, where none paid).
+REPLAN_MARGIN = 0.05
 PREDICT_GROWTH = 1.25  # the arms' yields are re-predicted when the statistics grow by this factor
 PREDICT_EVERY = 256  # ... and at least this many choices passed (a prediction costs ~2 ms)
 # Sequence-steps of measurement the prior's yields count as: a few, as it knows rank 0 only (a
@@ -297,12 +303,24 @@ class AdaptiveController:
                 max_width=self.max_budget.topk,
             )
             plan = planner.plan(1)
-            self._tree = self.max_budget if plan.budget == 0 else TreeBudget(
-                topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget,
-                min_path_prob=self.max_budget.min_path_prob,
-            )  # fmt: skip
+            if plan.budget == 0:
+                self._tree = self.max_budget
+            elif self._tree is None or not self._kept(planner, plan, self._tree):
+                self._tree = TreeBudget(
+                    topk=max(plan.topk, 1), depth=plan.max_depth, num_draft_tokens=plan.budget,
+                    min_path_prob=self.max_budget.min_path_prob,
+                )  # fmt: skip
             self._planned_at_steps = steps
         return self._tree
+
+    @staticmethod
+    def _kept(planner: SpeculationPlanner, plan: TreePlan, tree: TreeBudget) -> bool:
+        """Whether the planned ``tree`` stays against the new ``plan``: the best shape of its
+        budget is predicted within ``REPLAN_MARGIN`` of the plan's speed at batch 1."""
+        if tree.num_draft_tokens not in planner.candidates:
+            return False
+        kept = planner.plan_for_budget(1, tree.num_draft_tokens)
+        return plan.tokens_per_s <= (1.0 + REPLAN_MARGIN) * kept.tokens_per_s
 
     def _stats(self, engine: LLMEngine) -> AcceptanceStats:
         snapshot = engine.acceptance.snapshot()

@@ -7,11 +7,12 @@ tested in ``test_arms.py``.
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
 
-from engine.simulator import LatencyModel
+from engine.simulator import LatencyModel, SpeculationPlanner
 from engine.spec import adaptive
 from engine.spec.acceptance_stats import AcceptanceCounter
 from engine.spec.adaptive import NO_SPEC, AdaptiveController
@@ -224,3 +225,38 @@ def test_the_prior_is_applied_again_after_the_measurements_are_reset(monkeypatch
     assert controller.arms.arm_yield(False, CHAIN) is None
     controller.choose(eng, 1)  # type: ignore[arg-type]
     assert controller.arms.arm_yield(False, CHAIN) == pytest.approx(before)
+
+
+def test_a_replan_changes_the_host_paths_tree_only_for_a_clearly_faster_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each new planned tree is an arm to measure, so a re-plan keeps the tree unless the
+    planner's best is predicted more than ``REPLAN_MARGIN`` faster than the tree's budget:
+    after the last re-plan the tree is within the margin of the best, and statistics near a
+    boundary between chains give fewer trees than with no margin."""
+    near_tie = LatencyModel.analytic(verify_fixed=0.01, verify_per_token=0.0005, draft_fixed=0.001)
+
+    def planned_trees(margin: float) -> tuple[list[TreeBudget], SpeculationPlanner]:
+        monkeypatch.setattr(adaptive, "REPLAN_MARGIN", margin)
+        eng, controller = _controller(monkeypatch, near_tie)
+        rng = random.Random(1)
+        trees = [controller._planned_tree(eng)]  # type: ignore[arg-type]
+        for _ in range(2048):  # re-planned at 32, 64, ..., 2048 verify steps
+            accepted = 0
+            while accepted < MAX.depth and rng.random() < 0.8:
+                accepted += 1
+            eng.acceptance.record_path([True] * (accepted + 1), [0] * accepted)
+            tree = controller._planned_tree(eng)  # type: ignore[arg-type]
+            if tree != trees[-1]:
+                trees.append(tree)
+        planner = SpeculationPlanner(
+            controller._stats(eng), near_tie, budgets=range(MAX.num_draft_tokens + 1),  # type: ignore[arg-type]
+            max_depth=MAX.depth, max_width=MAX.topk,
+        )  # fmt: skip
+        return trees, planner
+
+    kept, planner = planned_trees(adaptive.REPLAN_MARGIN)
+    best, own = planner.plan(1), planner.plan_for_budget(1, kept[-1].num_draft_tokens)
+    assert best.tokens_per_s <= (1 + adaptive.REPLAN_MARGIN) * own.tokens_per_s
+    churned, _ = planned_trees(0.0)
+    assert len(kept) < len(churned)
