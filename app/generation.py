@@ -27,6 +27,7 @@ from app.service import Service
 from app.sessions import SessionRecord
 from app.stop_strings import IncrementalDetokenizer, StopMatcher
 from app.tenants import Tenant
+from engine.outputs import SpecStats
 from engine.params import SamplingParams
 from engine.serving import LoopClosed, QueueFull, RequestFailed, RequestStream, StepOutput
 
@@ -85,6 +86,12 @@ class Generation:
 
     # ---------------------------------------------------------------- admission
     async def start(self, request: Request) -> None:
+        await self.submit()
+        await self.wait_admitted(request)
+
+    async def submit(self) -> None:
+        """Take the tenant's quota lease and queue the request on the engine loop (at once;
+        ``wait_admitted`` waits for the engine to accept it)."""
         svc, inp = self.service, self.inp
         prompt_len = len(inp.prompt_token_ids)
         kv_tokens = inp.history_tokens + prompt_len + inp.sampling.max_tokens
@@ -106,6 +113,14 @@ class Generation:
                 session_id=inp.session.id if inp.session else None,
                 owner=self.tenant.name,
             )
+        except BaseException as exc:
+            self.close()
+            raise self._admission_error(exc) from None
+
+    async def wait_admitted(self, request: Request) -> None:
+        """Wait for the engine to accept the submitted request (its input errors are 4xx)."""
+        assert self.stream is not None
+        try:
             await until_done_or_disconnect(request, asyncio.shield(self.stream.admitted))
         except BaseException as exc:
             self.close()
@@ -164,37 +179,11 @@ class Generation:
             return ""
         return self._stops.push(self._detok.push(out.new_token_ids))
 
-    async def collect(self, request: Request) -> str:
-        async def run() -> str:
-            async for _ in self.deltas():
-                pass
-            return "".join(self.text_parts)
-
-        result: str = await until_done_or_disconnect(request, run())
-        return result
-
     # ---------------------------------------------------------------- results
     def usage(self) -> Usage:
-        prompt = len(self.inp.prompt_token_ids)
-        st = self.stats
-        spec = SpecUsage()
-        if st is not None:
-            spec = SpecUsage(
-                num_verify_steps=st.num_steps,
-                num_draft_tokens=st.num_draft_tokens,
-                num_accepted_tokens=st.num_accepted_tokens,
-                mean_accepted_length=round(st.mean_accepted_length, 4),
-                accepted_per_position=list(st.accepted_per_position),
-            )
-        details = None
-        if self.inp.session is not None:
-            details = PromptTokensDetails(cached_tokens=self.inp.cached_tokens)
-        return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=self.completion_tokens,
-            total_tokens=prompt + self.completion_tokens,
-            prompt_tokens_details=details,
-            speculative=spec,
+        cached = self.inp.cached_tokens if self.inp.session is not None else None
+        return build_usage(
+            len(self.inp.prompt_token_ids), self.completion_tokens, self.stats, cached
         )
 
     def close(self, error: bool = False) -> None:
@@ -257,6 +246,27 @@ class Generation:
 
     def _count(self, status: str) -> None:
         self.service.metrics.requests.labels(tenant=self.tenant.name, status=status).inc()
+
+
+def build_usage(prompt: int, completion: int, stats: SpecStats | None, cached: int | None) -> Usage:
+    """The OpenAI usage of ``prompt`` and ``completion`` tokens, with the speculative statistics
+    (``stats``; None: no step yet) and, for a session turn, the ``cached`` prompt tokens."""
+    spec = SpecUsage()
+    if stats is not None:
+        spec = SpecUsage(
+            num_verify_steps=stats.num_steps,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+            mean_accepted_length=round(stats.mean_accepted_length, 4),
+            accepted_per_position=list(stats.accepted_per_position),
+        )
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached),
+        speculative=spec,
+    )
 
 
 def _engine_message(exc: BaseException) -> str:

@@ -55,7 +55,10 @@ def engine_factory_from_settings(settings: Settings) -> EngineFactory:
 
 
 def build_service(
-    settings: Settings, tenants: TenantRegistry, engine_factory: EngineFactory, freeze_gc: bool = False
+    settings: Settings,
+    tenants: TenantRegistry,
+    engine_factory: EngineFactory,
+    freeze_gc: bool = False,
 ) -> Service:
     metrics = Metrics()
     loop = EngineLoop(

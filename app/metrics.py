@@ -96,13 +96,20 @@ class Metrics:
             p + "kv_zeroed_bytes", "KV cache bytes zeroed before reuse.", registry=r
         )
         self.step_failures = Counter(
-            p + "engine_step_failures", "Engine steps that raised (engine/step_failure.py).", registry=r
+            p + "engine_step_failures",
+            "Engine steps that raised (engine/step_failure.py).",
+            registry=r,
         )
-        self.step_failure_requests = _with_series(Counter(
-            p + "engine_step_failure_requests",
-            "Requests of a failed engine step, by outcome: resumed, or lost (failed).",
-            ["outcome"], registry=r,
-        ), "outcome", ["resumed", "lost"])  # fmt: skip  (0, not "no data", until a step fails)
+        self.step_failure_requests = _with_series(
+            Counter(
+                p + "engine_step_failure_requests",
+                "Requests of a failed engine step, by outcome: resumed, or lost (failed).",
+                ["outcome"],
+                registry=r,
+            ),
+            "outcome",
+            ["resumed", "lost"],
+        )  # fmt: skip  (0, not "no data", until a step fails)
         self.running = Gauge(p + "requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests waiting to run.", registry=r)
         self.kv_used = Gauge(p + "kv_blocks_used", "KV blocks in use.", registry=r)

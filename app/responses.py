@@ -1,4 +1,4 @@
-"""Turn a started :class:`Generation` into an OpenAI completion or chat completion response."""
+"""Turn started :class:`Choices` into an OpenAI completion or chat completion response."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from app.choices import Choices
 from app.errors import APIError
 from app.generation import Generation
 from app.schemas import (
@@ -21,22 +22,26 @@ from app.streaming import event_stream
 from engine.serving import RequestFailed
 
 
-async def _collect(gen: Generation, request: Request) -> str:
+async def _collect(choices: Choices, request: Request) -> list[str]:
     try:
-        return await gen.collect(request)
+        return await choices.collect(request)
     except RequestFailed:
-        gen.close(error=True)
+        choices.close(error=True)
         raise APIError(500, "the engine failed while generating", code="engine_error") from None
     finally:
-        gen.close()
+        choices.close()
 
 
-def _headers(gen: Generation) -> dict[str, str]:
-    return {"X-Request-Id": gen.request_id}
+def _headers(choices: Choices) -> dict[str, str]:
+    return {"X-Request-Id": choices.request_id}
+
+
+def _token_ids(gen: Generation, wanted: bool) -> list[int] | None:
+    return list(gen.token_ids) if wanted else None
 
 
 async def completion_response(
-    gen: Generation,
+    choices: Choices,
     request: Request,
     *,
     stream: bool,
@@ -44,11 +49,11 @@ async def completion_response(
     model: str,
     return_token_ids: bool = False,
 ) -> Response:
-    base = {"id": gen.request_id, "object": "text_completion", "created": gen.created}
+    base = {"id": choices.request_id, "object": "text_completion", "created": choices.created}
     base["model"] = model
 
-    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    def chunk(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         payload: dict[str, Any] = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
@@ -58,26 +63,28 @@ async def completion_response(
         return {**base, "choices": [], "usage": usage.model_dump(exclude_none=True)}
 
     if stream:
-        return event_stream(gen, chunk, usage_chunk if include_usage else None)
-    text = await _collect(gen, request)
+        return event_stream(choices, chunk, usage_chunk if include_usage else None)
+    texts = await _collect(choices, request)
     body = CompletionResponse(
-        id=gen.request_id,
-        created=gen.created,
+        id=choices.request_id,
+        created=choices.created,
         model=model,
         choices=[
             CompletionChoice(
+                index=index,
                 text=text,
                 finish_reason=gen.finish_reason,
-                token_ids=list(gen.token_ids) if return_token_ids else None,
+                token_ids=_token_ids(gen, return_token_ids),
             )
+            for index, (gen, text) in enumerate(zip(choices.gens, texts, strict=True))
         ],
-        usage=gen.usage(),
+        usage=choices.usage(),
     )
-    return JSONResponse(body.model_dump(exclude_none=True), headers=_headers(gen))
+    return JSONResponse(body.model_dump(exclude_none=True), headers=_headers(choices))
 
 
 async def chat_response(
-    gen: Generation,
+    choices: Choices,
     request: Request,
     *,
     stream: bool,
@@ -85,12 +92,12 @@ async def chat_response(
     model: str,
     return_token_ids: bool = False,
 ) -> Response:
-    base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created}
+    base = {"id": choices.request_id, "object": "chat.completion.chunk", "created": choices.created}
     base["model"] = model
 
-    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         payload: dict[str, Any] = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
@@ -100,21 +107,26 @@ async def chat_response(
         return {**base, "choices": [], "usage": usage.model_dump(exclude_none=True)}
 
     if stream:
-        first = chunk("", None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        return event_stream(gen, chunk, usage_chunk if include_usage else None, first)
-    text = await _collect(gen, request)
+        first = []
+        for index in range(len(choices.gens)):
+            role = chunk(index, "", None)
+            role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            first.append(role)
+        return event_stream(choices, chunk, usage_chunk if include_usage else None, first)
+    texts = await _collect(choices, request)
     body = ChatCompletionResponse(
-        id=gen.request_id,
-        created=gen.created,
+        id=choices.request_id,
+        created=choices.created,
         model=model,
         choices=[
             ChatChoice(
+                index=index,
                 message=AssistantMessage(content=text),
                 finish_reason=gen.finish_reason,
-                token_ids=list(gen.token_ids) if return_token_ids else None,
+                token_ids=_token_ids(gen, return_token_ids),
             )
+            for index, (gen, text) in enumerate(zip(choices.gens, texts, strict=True))
         ],
-        usage=gen.usage(),
+        usage=choices.usage(),
     )
-    return JSONResponse(body.model_dump(exclude_none=True), headers=_headers(gen))
+    return JSONResponse(body.model_dump(exclude_none=True), headers=_headers(choices))

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 128  # choices of one request: its prompts times n
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 PromptText = Annotated[str, Field(max_length=4_000_000)]
 
@@ -38,7 +39,7 @@ class SamplingFields(_Strict):
     stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=128)
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = Field(None, max_length=256)
     # vLLM extension: also return the generated token ids (non-streamed responses).
     return_token_ids: bool | None = False
@@ -47,13 +48,6 @@ class SamplingFields(_Strict):
     # Accepted only with their default meaning (see _defaults_only).
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -103,19 +97,23 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError("only a single prompt per request is supported")
-            value = value[0]
-        if isinstance(value, list) and not value:
+    def _no_empty_prompt(cls, value: Any) -> Any:
+        batch = value if _is_batch(value) else [value]
+        if not batch or any(isinstance(p, list) and not p for p in batch):
             raise ValueError("the prompt must not be empty")
-        return value  # type: ignore[no-any-return]
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of texts or of token id lists)."""
+        if _is_batch(self.prompt):
+            return list(self.prompt)  # type: ignore[arg-type]
+        return [self.prompt]  # type: ignore[list-item]
 
     @property
     def single_prompt(self) -> str | list[int]:
-        """The one prompt (the validator unwrapped a one-element batch)."""
-        return self.prompt  # type: ignore[return-value]
+        """The first prompt (a session turn has one: ``SessionCompletionRequest``)."""
+        return self.prompts[0]
 
     @field_validator("echo")
     @classmethod
@@ -140,7 +138,27 @@ class CompletionRequest(SamplingFields):
 
 
 class SessionCompletionRequest(CompletionRequest):
-    """A session turn: the ``/v1/completions`` fields, ``prompt`` required, ``model`` optional."""
+    """A session turn: the ``/v1/completions`` fields, ``prompt`` required, ``model`` optional;
+    one prompt and one choice (the turn continues the session's text)."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if _is_batch(value) and len(value) != 1:
+            raise ValueError("a session turn takes a single prompt")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("a session turn has one choice: n must be 1")
+        return value
+
+
+def _is_batch(prompt: Any) -> bool:
+    """Whether ``prompt`` is a batch of prompts (texts or token id lists), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
 
 
 class TextPart(_Strict):

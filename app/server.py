@@ -35,7 +35,9 @@ def _depths(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(d) for d in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated depths, e.g. 4,6, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated depths, e.g. 4,6, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-size", type=int, help="KV block size in tokens")
     add("--max-model-len", type=int, help="context length limit")
     add("--prefill-chunk-tokens", type=int, help="prefill chunk size")
-    add("--spec-method", choices=["none", "chain", "tree", "adaptive"], help="speculation (default adaptive: chosen per step by measured cost)")
+    add(
+        "--spec-method",
+        choices=["none", "chain", "tree", "adaptive"],
+        help="speculation (default adaptive: chosen per step by measured cost)",
+    )
     add("--spec-topk", type=int)
     add("--spec-depth", type=int)
     add("--spec-num-draft-tokens", type=int)

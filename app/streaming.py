@@ -1,8 +1,10 @@
 """Server-sent events in the OpenAI format: ``data: {json}\\n\\n`` chunks, then ``data: [DONE]``.
 
-An engine failure after the response started is sent as an error chunk, then ``[DONE]``. If the
-client goes away, Starlette cancels the generator and ``Generation.close()`` (in ``finally``)
-aborts the request, which frees and zeroes its KV before the next engine step.
+The choices of a request (``app.choices``) stream interleaved, each chunk naming its choice's
+index. An engine failure after the response started is sent as an error chunk, then
+``[DONE]``. If the client goes away, Starlette cancels the generator and ``Choices.close()``
+(in ``finally``) aborts the requests, which frees and zeroes their KV before the next engine
+step.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from app.choices import Choices
 from app.errors import error_body
-from app.generation import Generation
 from app.schemas import Usage
 from engine.serving import RequestFailed
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-ChunkFn = Callable[[str | None, str | None], dict[str, Any]]
+ChunkFn = Callable[[int, str | None, str | None], dict[str, Any]]  # (index, text, finish)
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -30,49 +32,48 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 async def _events(
-    gen: Generation,
+    choices: Choices,
     chunk: ChunkFn,
     usage_chunk: Callable[[Usage], dict[str, Any]] | None,
-    first: dict[str, Any] | None,
+    first: list[dict[str, Any]],
 ) -> AsyncIterator[str]:
     failed = False
     try:
-        if first is not None:
-            yield sse(first)
-        async for text in gen.deltas():
-            yield sse(chunk(text, None))
-        yield sse(chunk(None, gen.finish_reason))
+        for payload in first:
+            yield sse(payload)
+        async for index, text, finish in choices.events():
+            yield sse(chunk(index, text, finish))
         if usage_chunk is not None:
-            yield sse(usage_chunk(gen.usage()))
+            yield sse(usage_chunk(choices.usage()))
         yield DONE
     except RequestFailed:
         failed = True
         yield sse(error_body(500, "the engine failed while generating", code="engine_error"))
         yield DONE
     finally:
-        gen.close(error=failed)
+        choices.close(error=failed)
 
 
 class GenerationStreamingResponse(StreamingResponse):
-    """Closes the generation even when the body iterator never started (the client left
-    before the first byte), so the request is aborted and its quota lease returned."""
+    """Closes the choices even when the body iterator never started (the client left before
+    the first byte), so their requests are aborted and their quota leases returned."""
 
-    def __init__(self, gen: Generation, content: AsyncIterator[str]) -> None:
-        headers = {**SSE_HEADERS, "X-Request-Id": gen.request_id}
+    def __init__(self, choices: Choices, content: AsyncIterator[str]) -> None:
+        headers = {**SSE_HEADERS, "X-Request-Id": choices.request_id}
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._generation = gen
+        self._choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._generation.close()
+            self._choices.close()
 
 
 def event_stream(
-    gen: Generation,
+    choices: Choices,
     chunk: ChunkFn,
     usage_chunk: Callable[[Usage], dict[str, Any]] | None,
-    first: dict[str, Any] | None = None,
+    first: list[dict[str, Any]] | None = None,
 ) -> StreamingResponse:
-    return GenerationStreamingResponse(gen, _events(gen, chunk, usage_chunk, first))
+    return GenerationStreamingResponse(choices, _events(choices, chunk, usage_chunk, first or []))

@@ -529,13 +529,28 @@ class LLMEngine:
         self, decode: list[Sequence], filling: bool, step_start: float, outputs: list[RequestOutput]
     ) -> None:
         """The step's decode over ``decode``: its budget chosen, the step run, and (adaptive
-        speculation) measured. ``filling``: the step also prefilled (from ``step_start``)."""
+        speculation) measured. ``filling``: the step also prefilled (from ``step_start``).
+
+        Under adaptive speculation seeded sampled requests decode autoregressively (apart
+        from a drafting batch): which tokens a seed draws depends on the drafts verified, so
+        under the load-dependent choice the same seeded request gave other tokens alone than
+        beside others. They give what no speculation gives with that seed. (Greedy output is
+        the same whatever is drafted.)"""
+        seeded = self._seeded_apart(decode)
+        rest = [s for s in decode if not _samples_seeded(s)] if seeded else decode
         closed = not filling and self._batch_closed()
-        budget, lag, sampled = self.batch_choice.choose(decode, filling, closed)
+        if rest:
+            budget, lag, sampled = self.batch_choice.choose(rest, filling, closed)
+        else:
+            budget, lag, sampled = NO_SPEC, 0, True
+        if budget.speculates:
+            decode = rest
+        else:  # the autoregressive step serves the seeded ones too
+            seeded = []
         self.last_decode_budget = budget_label(budget)
         self._last_drafting = budget if budget.speculates else None
         start = time.perf_counter()
-        ahead = not filling and self._may_launch_ahead(decode)
+        ahead = not filling and not seeded and self._may_launch_ahead(decode)
         host_step = False  # a host-driven speculative step leaves device work queued
         if budget.speculates:
             self._hidden_log.flush()
@@ -555,6 +570,15 @@ class LLMEngine:
         if self.adaptive is not None:
             self._observe_decode(len(decode), budget, lag, sampled, None if filling else start, step_start, host_step)
         self._tick_yield_clock(budget, sampled)
+        if seeded:  # after the measured step, which it is no part of
+            self._autoregressive_step(seeded, outputs)
+
+    def _seeded_apart(self, decode: list[Sequence]) -> list[Sequence]:
+        """The seeded sampled requests of ``decode`` that adaptive speculation decodes
+        autoregressively (``_decode``); none for the other methods, whose budget is fixed."""
+        if self.adaptive is None or self.adaptive.forced is not None:
+            return []
+        return [s for s in decode if _samples_seeded(s)]
 
     def _observe_decode(
         self, batch_size: int, budget: TreeBudget, lag: int, sampled: bool, start: float | None,
@@ -1192,3 +1216,8 @@ class LLMEngine:
         if self._released:
             self.pool.free(self._released)
             self._released = []
+
+
+def _samples_seeded(seq: Sequence) -> bool:
+    """Whether ``seq`` samples with a seed of its own (greedy requests ignore theirs)."""
+    return seq.sampling.seed is not None and not seq.sampling.greedy

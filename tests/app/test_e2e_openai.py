@@ -128,6 +128,29 @@ def test_openai_chat_stream_equals_non_stream_with_usage(server: Server) -> None
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_openai_batch_of_prompts_and_seeded_choices(server: Server) -> None:
+    """A batch of prompts answers each as a request of its own would; seeded choice i samples
+    with seed + i, so each is what a single request with that seed gives."""
+    client = server.client()
+    prompts = ["def main(", "import os\n"]
+    kw = dict(model=server.model, max_tokens=10, temperature=0)
+    batch = client.completions.create(prompt=prompts, **kw)  # type: ignore[call-overload]
+    singles = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]  # type: ignore[call-overload]
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == singles
+    kw = dict(model=server.model, prompt="class Config:", max_tokens=12, temperature=1.0)
+    seeded = client.completions.create(  # type: ignore[call-overload]
+        n=3, seed=7, **kw, extra_body={"return_token_ids": True}
+    )
+    assert [c.index for c in seeded.choices] == [0, 1, 2]
+    for i, choice in enumerate(seeded.choices):
+        alone = client.completions.create(seed=7 + i, **kw)  # type: ignore[call-overload]
+        assert choice.text == alone.choices[0].text
+    generated = sum(len(c.model_extra["token_ids"]) for c in seeded.choices)  # type: ignore[index]
+    assert seeded.usage.completion_tokens == generated
+    assert len({c.text for c in seeded.choices}) > 1, "three seeds, one text"
+
+
 def test_edge_sampling_parameters_are_served_not_failed(server: Server) -> None:
     # A temperature of 1e-40 is valid (the schema allows [0, 2]) but overflows the logits when
     # divided by: it had failed the engine step and every request in it (a 500). It decodes
@@ -147,7 +170,7 @@ def test_wrong_key_and_validation_through_openai_client(server: Server) -> None:
     with pytest.raises(openai.AuthenticationError):
         server.client("sk-wrong").models.list()
     with pytest.raises(openai.BadRequestError) as info:
-        server.client().completions.create(model=server.model, prompt="x", n=3)
+        server.client().completions.create(model=server.model, prompt="x", n=129)
     assert info.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="not-this-model", prompt="x")

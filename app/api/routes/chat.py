@@ -4,7 +4,8 @@ from fastapi import APIRouter, Request, Response
 
 from app.api.deps import ReadyServiceDep, TenantDep, check_model
 from app.api.routes.responses_doc import ERRORS
-from app.generation import Generation, GenerationInput
+from app.choices import Choices
+from app.generation import GenerationInput
 from app.prompts import chat_prompt_ids
 from app.responses import chat_response
 from app.sampling import build_sampling, resolve_max_tokens
@@ -27,9 +28,9 @@ async def create_chat_completion(
     if service.settings.log_text:
         text = "\n".join(m.text() for m in body.messages)
     inp = GenerationInput(ids, build_sampling(body, max_tokens), body.stop_list, prompt_text=text)
-    gen = Generation(service, tenant, inp, "chatcmpl")
-    await gen.start(request)
+    choices = Choices.build(service, tenant, [inp], body.n or 1, "chatcmpl")
+    await choices.start(request)
     return await chat_response(
-        gen, request, stream=bool(body.stream), include_usage=body.include_usage,
+        choices, request, stream=bool(body.stream), include_usage=body.include_usage,
         model=service.model_name, return_token_ids=bool(body.return_token_ids),
     )  # fmt: skip

@@ -8,8 +8,9 @@ from fastapi import APIRouter, Body, Request, Response
 
 from app.api.deps import ReadyServiceDep, ServiceDep, SessionDep, TenantDep, check_model
 from app.api.routes.responses_doc import ERRORS
+from app.choices import Choices
 from app.errors import APIError, not_found, too_many
-from app.generation import Generation, GenerationInput
+from app.generation import GenerationInput
 from app.prompts import encode_prompt
 from app.responses import completion_response
 from app.sampling import build_sampling, resolve_max_tokens
@@ -101,10 +102,10 @@ async def session_completion(
     except BaseException:
         record.busy = False
         raise
-    gen = Generation(service, tenant, inp, "cmpl")
-    await gen.start(request)
+    choices = Choices.build(service, tenant, [inp], 1, "cmpl")
+    await choices.start(request)
     return await completion_response(
-        gen, request, stream=bool(body.stream), include_usage=body.include_usage,
+        choices, request, stream=bool(body.stream), include_usage=body.include_usage,
         model=service.model_name, return_token_ids=bool(body.return_token_ids),
     )  # fmt: skip
 
