@@ -22,10 +22,12 @@ from app.generation import Generation, GenerationInput, build_usage, until_done_
 from app.schemas import MAX_SEED, Usage
 from app.service import Service
 from app.tenants import Tenant
+from engine.logprobs import TokenLogprob
 from engine.outputs import SpecStats
 
-# (choice index, text or None, finish reason or None): one piece of a choice's stream.
-Event = tuple[int, str | None, str | None]
+# (choice index, text or None, finish reason or None, log-probabilities received since the
+# choice's last event or None where not asked for): one piece of a choice's stream.
+Event = tuple[int, str | None, str | None, list[TokenLogprob] | None]
 
 
 class Choices:
@@ -36,6 +38,7 @@ class Choices:
         self.n = n
         self.request_id = gens[0].request_id
         self.created = gens[0].created
+        self.tokenizer = gens[0].service.engine.tokenizer
 
     @classmethod
     def build(
@@ -62,14 +65,15 @@ class Choices:
 
     async def events(self) -> AsyncIterator[Event]:
         """Every choice's text pieces as they become final, interleaved as they come, and
-        each choice's finish (text None, its finish reason) after its last piece."""
+        each choice's finish (text None, its finish reason) after its last piece; each with
+        the log-probabilities received since the choice's last event."""
         queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
 
         async def pump(index: int, gen: Generation) -> None:
             try:
                 async for text in gen.deltas():
-                    queue.put_nowait((index, text, None))
-                queue.put_nowait((index, None, gen.finish_reason or "stop"))
+                    queue.put_nowait((index, text, None, gen.take_logprobs()))
+                queue.put_nowait((index, None, gen.finish_reason or "stop", gen.take_logprobs()))
             except Exception as exc:  # RequestFailed: the stream reports it
                 queue.put_nowait(exc)
 
@@ -92,7 +96,7 @@ class Choices:
 
         async def run() -> list[str]:
             parts: list[list[str]] = [[] for _ in self.gens]
-            async for index, text, _ in self.events():
+            async for index, text, *_ in self.events():
                 if text:
                     parts[index].append(text)
             return ["".join(p) for p in parts]

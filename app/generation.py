@@ -27,6 +27,7 @@ from app.service import Service
 from app.sessions import SessionRecord
 from app.stop_strings import IncrementalDetokenizer, StopMatcher
 from app.tenants import Tenant
+from engine.logprobs import TokenLogprob
 from engine.outputs import SpecStats
 from engine.params import SamplingParams
 from engine.serving import LoopClosed, QueueFull, RequestFailed, RequestStream, StepOutput
@@ -79,6 +80,10 @@ class Generation:
         self.last_token_at: float | None = None
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
+        # The generated tokens' log-probabilities (where the request asks for them), and those
+        # not yet handed to the stream (``take_logprobs``).
+        self.logprobs: list[TokenLogprob] = []
+        self._unsent_logprobs: list[TokenLogprob] = []
         self._closed = False
         tok = service.engine.tokenizer
         self._detok = IncrementalDetokenizer(tok, inp.prompt_token_ids) if tok else None
@@ -173,11 +178,23 @@ class Generation:
             self.last_token_at = now
         if out.finish_reason != "abort":
             self.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs:
+                self.logprobs.extend(out.new_logprobs)
+                self._unsent_logprobs.extend(out.new_logprobs)
             self.completion_tokens = max(self.completion_tokens, out.num_generated)
             self.stats = out.stats or self.stats
         if self._detok is None:
             return ""
         return self._stops.push(self._detok.push(out.new_token_ids))
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The log-probabilities received since the last call (a stream sends them with the
+        text that follows: a token's text may wait for the next token's); None where the
+        request did not ask for them."""
+        if self.inp.sampling.logprobs is None:
+            return None
+        taken, self._unsent_logprobs = self._unsent_logprobs, []
+        return taken
 
     # ---------------------------------------------------------------- results
     def usage(self) -> Usage:

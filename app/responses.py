@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from app.choices import Choices
 from app.errors import APIError
 from app.generation import Generation
+from app.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from app.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -19,6 +21,7 @@ from app.schemas import (
     Usage,
 )
 from app.streaming import event_stream
+from engine.logprobs import TokenLogprob
 from engine.serving import RequestFailed
 
 
@@ -36,6 +39,13 @@ def _headers(choices: Choices) -> dict[str, str]:
     return {"X-Request-Id": choices.request_id}
 
 
+def _whole(
+    gen: Generation, shape: Callable[[list[TokenLogprob]], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """A whole choice's log-probabilities in ``shape`` (None where not asked for)."""
+    return None if gen.inp.sampling.logprobs is None else shape(gen.logprobs)
+
+
 def _token_ids(gen: Generation, wanted: bool) -> list[int] | None:
     return list(gen.token_ids) if wanted else None
 
@@ -51,9 +61,16 @@ async def completion_response(
 ) -> Response:
     base = {"id": choices.request_id, "object": "text_completion", "created": choices.created}
     base["model"] = model
+    token_text = TokenTexts(choices.tokenizer)
+    offsets = [0] * len(choices.gens)  # per choice: its text streamed so far
 
-    def chunk(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    def chunk(
+        index: int, text: str | None, finish: str | None, lps: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        shaped = None if lps is None else completion_logprobs(token_text, lps, offsets[index])
+        if shaped is not None and shaped["tokens"]:
+            offsets[index] = shaped["text_offset"][-1] + len(shaped["tokens"][-1])
+        choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish}
         payload: dict[str, Any] = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
@@ -73,6 +90,7 @@ async def completion_response(
             CompletionChoice(
                 index=index,
                 text=text,
+                logprobs=_whole(gen, lambda lps: completion_logprobs(token_text, lps)),
                 finish_reason=gen.finish_reason,
                 token_ids=_token_ids(gen, return_token_ids),
             )
@@ -94,10 +112,14 @@ async def chat_response(
 ) -> Response:
     base = {"id": choices.request_id, "object": "chat.completion.chunk", "created": choices.created}
     base["model"] = model
+    token_text = TokenTexts(choices.tokenizer)
 
-    def chunk(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        index: int, text: str | None, finish: str | None, lps: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        shaped = None if lps is None else chat_logprobs(token_text, lps)
+        choice = {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": finish}
         payload: dict[str, Any] = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
@@ -109,7 +131,7 @@ async def chat_response(
     if stream:
         first = []
         for index in range(len(choices.gens)):
-            role = chunk(index, "", None)
+            role = chunk(index, "", None, None)
             role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             first.append(role)
         return event_stream(choices, chunk, usage_chunk if include_usage else None, first)
@@ -122,6 +144,7 @@ async def chat_response(
             ChatChoice(
                 index=index,
                 message=AssistantMessage(content=text),
+                logprobs=_whole(gen, lambda lps: chat_logprobs(token_text, lps)),
                 finish_reason=gen.finish_reason,
                 token_ids=_token_ids(gen, return_token_ids),
             )

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 128  # choices of one request: its prompts times n
+MAX_LOGPROBS = 20  # alternatives per token (engine.logprobs.MAX_LOGPROBS)
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 PromptText = Annotated[str, Field(max_length=4_000_000)]
 
@@ -46,7 +47,6 @@ class SamplingFields(_Strict):
     # vLLM extension: keep generating past EOS (benchmarks, tests).
     ignore_eos: bool | None = False
     # Accepted only with their default meaning (see _defaults_only).
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
@@ -57,13 +57,6 @@ class SamplingFields(_Strict):
         if isinstance(value, list) and len(value) > 16:
             raise ValueError("at most 16 stop strings are supported")
         return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: Any) -> Any:
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return None
 
     @field_validator("logit_bias")
     @classmethod
@@ -88,9 +81,16 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def logprob_count(self) -> int | None:
+        """``SamplingParams.logprobs``: the alternatives per token asked for (None: no
+        log-probabilities)."""
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: PromptText | list[TokenId] | list[PromptText] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -109,6 +109,10 @@ class CompletionRequest(SamplingFields):
         if _is_batch(self.prompt):
             return list(self.prompt)  # type: ignore[arg-type]
         return [self.prompt]  # type: ignore[list-item]
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -182,15 +186,19 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    top_logprobs: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class SessionCreateRequest(_Strict):
@@ -225,7 +233,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # only with return_token_ids
 
@@ -247,7 +255,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # only with return_token_ids
 

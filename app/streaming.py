@@ -19,12 +19,14 @@ from starlette.types import Receive, Scope, Send
 from app.choices import Choices
 from app.errors import error_body
 from app.schemas import Usage
+from engine.logprobs import TokenLogprob
 from engine.serving import RequestFailed
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-ChunkFn = Callable[[int, str | None, str | None], dict[str, Any]]  # (index, text, finish)
+# (index, text, finish, the log-probabilities since the choice's last chunk) -> a chunk
+ChunkFn = Callable[[int, str | None, str | None, list[TokenLogprob] | None], dict[str, Any]]
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -41,8 +43,8 @@ async def _events(
     try:
         for payload in first:
             yield sse(payload)
-        async for index, text, finish in choices.events():
-            yield sse(chunk(index, text, finish))
+        async for index, text, finish, logprobs in choices.events():
+            yield sse(chunk(index, text, finish, logprobs))
         if usage_chunk is not None:
             yield sse(usage_chunk(choices.usage()))
         yield DONE

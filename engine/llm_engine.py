@@ -23,6 +23,7 @@ from engine.captured_steps import capture_steps, uses_static_steps
 from engine.cuda_graphs import StaticTargetForward
 from engine.kv.block_pool import BlockPool, KVCacheFull
 from engine.launch_ahead import ARLaunch, may_continue, rows_within
+from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model.attention_batch import AttentionBatch
 from engine.model.config import ModelConfig
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -681,6 +682,7 @@ class LLMEngine:
             return False
         del self._parked[request_id]
         del seq.tokens[seq.output_start + num_delivered :]
+        del seq.logprobs[num_delivered:]
         seq.quarantined, seq.resumed, seq.suspect = seq.resumed, True, True
         seq.finish_reason = None
         seq.stats = type(seq.stats)()
@@ -854,10 +856,11 @@ class LLMEngine:
                 tokens = read_staged(*staged)
             else:
                 tokens = self._sample_rows(prefilled, logits)
-            for (seq, _), token in zip(finishing, tokens, strict=True):
+            for i, ((seq, _), token) in enumerate(zip(finishing, tokens, strict=True)):
                 if self.adaptive is not None:
                     seq.yield_clock = (*self._yield_clock, seq.stats.num_accepted_tokens)
-                self._append_tokens(seq, [token], outputs, drafted=None, accepted=None)
+                lp = None if seq.sampling.logprobs is None else token_logprobs(logits[i : i + 1], [token], seq.sampling.logprobs)
+                self._append_tokens(seq, [token], outputs, drafted=None, accepted=None, logprobs=lp)
             if not early:
                 self._catch_up_prompts(prefilled, whole)
 
@@ -890,8 +893,11 @@ class LLMEngine:
         launched before this one's host work (``engine.launch_ahead``), where it may be."""
         if launched is None:
             hidden = self._decode_hidden(seqs, [seq.tokens[-1] for seq in seqs], [seq.num_committed for seq in seqs])
-            tokens = self._sample_rows(seqs, self.model.logits(hidden))
-        else:
+            step_logits = self.model.logits(hidden)  # [B, V]
+            tokens = self._sample_rows(seqs, step_logits)
+            logits: torch.Tensor | None = step_logits
+        else:  # (no sequence asking for log-probabilities is launched ahead)
+            logits = None
             rows = rows_within(seqs, launched.seqs)
             everyone = len(rows) == len(launched.seqs)
             tokens = read_drawn(launched.tokens, launched.ok, None if everyone else rows)
@@ -904,7 +910,9 @@ class LLMEngine:
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
             self._step_tokens += 1
-            self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0)
+            k = seq.sampling.logprobs
+            lp = None if k is None or logits is None else token_logprobs(logits[i : i + 1], [tokens[i]], k)
+            self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0, logprobs=lp)
         if self.drafter is not None:  # after the commits (see HiddenLog); no per-sequence work
             self._hidden_log.append(seqs, hidden, batch_key)
 
@@ -952,10 +960,10 @@ class LLMEngine:
     def _may_launch_ahead_autoregressive(self, seqs: list[Sequence]) -> bool:
         """Whether the autoregressive step after this one (read, not yet committed) may be
         launched now: tokens drawn on the device (no penalties, which count the tokens on the
-        host), a block for every sequence's next position, and a sequence that has not reached
+        host, and no log-probabilities, read off the step's logits), a block for every sequence's next position, and a sequence that has not reached
         ``max_tokens`` with this step's token."""
         bs, limit = self.pool.block_size, self.max_model_len
-        return (all(not s.sampling.has_penalties and (s.num_committed + 1) // bs < len(s.block_ids)
+        return (all(not s.sampling.stays_on_host and (s.num_committed + 1) // bs < len(s.block_ids)
                     and s.num_committed + 1 < limit for s in seqs)
                 and may_continue(seqs, 2))  # fmt: skip
 
@@ -982,14 +990,15 @@ class LLMEngine:
             self._catch_up_alone(lagging)
         verified, self.last_timings = self.host_step.run(seqs, budget, self.sampled_acceptance)
         for seq, step in zip(seqs, verified, strict=True):
-            tree, result = step
+            tree, result = step.tree, step.result
             self.acceptance.record(tree, result.accepted)
             if not seq.sampling.greedy:
                 self.sampled_acceptance.record(tree, result.accepted)
             drafted = tree.num_nodes - 1
             seq.stats.record_step(drafted, result.num_accepted)
             self._step_tokens += result.num_accepted + 1
-            self._append_tokens(seq, step.new_tokens, outputs, drafted=drafted, accepted=result.num_accepted)
+            self._append_tokens(seq, step.new_tokens, outputs, drafted=drafted, accepted=result.num_accepted,
+                                logprobs=step.logprobs)  # fmt: skip
 
     def _graphed_steps(self, budget: TreeBudget) -> list[GraphedTreeStep]:
         """The device-resident tree steps that serve ``budget`` (greedy, sampled), the one that
@@ -1093,7 +1102,10 @@ class LLMEngine:
         outputs: list[RequestOutput],
         drafted: int | None,
         accepted: int | None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
+        """Append a step's ``tokens`` to ``seq`` up to its first stop or its length limit, and
+        its output; ``logprobs``: the tokens' own, where its sampling asks for them."""
         params = seq.sampling
         reason = None
         n = len(seq.tokens)
@@ -1114,6 +1126,11 @@ class LLMEngine:
                     reason = "length"
                 if reason:
                     break
+        new_logprobs = None
+        if params.logprobs is not None:
+            assert logprobs is not None and len(logprobs) == len(tokens), "a step without its logprobs"
+            new_logprobs = logprobs[: len(emitted)]
+            seq.logprobs.extend(new_logprobs)
         if reason and seq.num_committed > len(seq.tokens) - 1:
             self._truncate_committed(seq)
         if reason and drafted is not None:
@@ -1130,6 +1147,8 @@ class LLMEngine:
                 step_drafted=drafted,
                 step_accepted=accepted,
                 span=(seq.output_start, len(seq.tokens)),
+                logprobs=None if new_logprobs is None else seq.logprobs,
+                new_logprobs=new_logprobs,
             )
         )
         if reason:

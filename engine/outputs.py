@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logprobs import TokenLogprob
+
 
 @dataclass
 class SpecStats:
@@ -51,7 +53,8 @@ class RequestOutput:
     a request's length); a caller reading ``token_ids`` of the final output only pays it once."""
 
     __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens",
-                 "stats", "step_drafted", "step_accepted", "_tokens", "_span")  # fmt: skip
+                 "stats", "step_drafted", "step_accepted", "new_logprobs", "_logprobs", "_tokens",
+                 "_span")  # fmt: skip
 
     def __init__(
         self,
@@ -66,6 +69,8 @@ class RequestOutput:
         step_accepted: int | None = None,  # drafts accepted in this step
         *,
         span: tuple[int, int] | None = None,  # the part of ``token_ids`` generated so far (None: all)
+        logprobs: list[TokenLogprob] | None = None,  # every generated token's (asked for: else None)
+        new_logprobs: list[TokenLogprob] | None = None,  # ``new_token_ids``' (asked for: else None)
     ) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
@@ -77,6 +82,14 @@ class RequestOutput:
         self.step_accepted = step_accepted
         self._tokens = token_ids
         self._span = (0, len(token_ids)) if span is None else span
+        self._logprobs = logprobs
+        self.new_logprobs = new_logprobs
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Every generated token's log-probability and most likely alternatives
+        (``SamplingParams.logprobs``; None where not asked for), as ``token_ids``."""
+        return None if self._logprobs is None else self._logprobs[: self.num_generated]
 
     @property
     def token_ids(self) -> list[int]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.logprobs import MAX_LOGPROBS
+
 SpecMethod = Literal["none", "chain", "tree", "adaptive"]
 MIN_TEMPERATURE = 1e-5  # below it a request decodes greedily (``SamplingParams``)
 
@@ -21,7 +23,8 @@ class SamplingParams:
     from, which had failed the engine step and every request in it). ``top_p`` 1.0 and
     ``top_k`` 0 are off. Presence and frequency penalties apply to tokens generated so far (as
     vLLM and OpenAI do). ``seed=None`` gives the sequence its own fresh randomness; an int makes
-    the request reproducible.
+    the request reproducible. ``logprobs`` (None or 0-20) asks for each generated token's
+    log-probability and its position's most likely tokens (``RequestOutput.new_logprobs``).
     """
 
     max_tokens: int = 16
@@ -33,10 +36,16 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; k: each generated token's and its position's k most likely
+    # (``engine.logprobs``: the model's raw distribution).
+    logprobs: int | None = None
     # Derived on construction (read per sequence in every step's host work, where a property's
     # call per read showed: ``scripts/closed_round_ops.py``).
     greedy: bool = field(init=False, repr=False, compare=False)
     has_penalties: bool = field(init=False, repr=False, compare=False)
+    # Penalties or log-probabilities: served by the host-driven steps only (no device-resident
+    # tree step, no step launched ahead), which hand the host what they need.
+    stays_on_host: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -59,8 +68,14 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):  # fmt: skip
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         object.__setattr__(self, "greedy", float(self.temperature) == 0.0)
         object.__setattr__(self, "has_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+        object.__setattr__(self, "stays_on_host", self.has_penalties or self.logprobs is not None)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from engine.logprobs import TokenLogprob
 from engine.outputs import SpecStats
 from engine.params import SamplingParams
 
@@ -58,6 +59,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
+    # This turn's generated tokens' log-probabilities, where its sampling asks for them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     mtp_committed: list[int] = field(default_factory=list)
     pending_hidden: list[torch.Tensor | None] = field(default_factory=list)
     pending_start: list[int] = field(default_factory=list)
@@ -76,6 +79,7 @@ class Sequence:
     def new_turn(self) -> None:
         """A session's next request: a failed step of an earlier turn counts against none."""
         self.resumed = self.suspect = self.quarantined = False
+        self.logprobs = []
 
     def __post_init__(self) -> None:
         self._fresh_mtp_state()

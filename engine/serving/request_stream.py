@@ -53,9 +53,12 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     stats: SpecStatsSnapshot | None
+    # ``new_token_ids``' log-probabilities (``engine.logprobs.TokenLogprob``), where asked for.
+    new_logprobs: tuple[Any, ...] | None = None
 
     @classmethod
     def from_engine(cls, out: Any) -> StepOutput:
+        logprobs = getattr(out, "new_logprobs", None)
         return cls(
             request_id=out.request_id,
             new_token_ids=tuple(int(t) for t in out.new_token_ids),
@@ -64,6 +67,7 @@ class StepOutput:
             finish_reason=out.finish_reason,
             num_prompt_tokens=int(out.num_prompt_tokens),
             stats=SpecStatsSnapshot.from_engine(getattr(out, "stats", None)),
+            new_logprobs=None if logprobs is None else tuple(logprobs),
         )
 
     @classmethod

@@ -110,7 +110,7 @@ class GraphedSampledTree(GraphedTreeStep):
         self._capture()
 
     def serves(self, params: SamplingParams) -> bool:
-        return not params.greedy and not params.has_penalties and params.seed is None
+        return not params.greedy and not params.stays_on_host and params.seed is None
 
     def _load_sampling(self, buf: BucketBuffers, seqs: list[Sequence]) -> None:
         n = len(seqs)

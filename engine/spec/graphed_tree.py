@@ -827,7 +827,7 @@ class GraphedGreedyTree(GraphedTreeStep):
         self._capture()
 
     def serves(self, params: SamplingParams) -> bool:
-        return params.greedy and not params.has_penalties
+        return params.greedy and not params.stays_on_host
 
     def _grow(self, m: int, front_hidden: Tensor, buf: BucketBuffers) -> tuple[Tensor, Tensor]:
         B, K, H = buf.bucket, self.K, self.hidden_size

@@ -20,6 +20,7 @@ import torch
 from engine.batch_builder import SeqRows, build_batch
 from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import compact_and_zero
+from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.outputs import StepTimings
@@ -38,10 +39,12 @@ TargetForward = Callable[[torch.Tensor, AttentionBatch, "int | None"], torch.Ten
 
 
 class Verified(NamedTuple):
-    """One sequence's tree and what its verification accepted."""
+    """One sequence's tree, what its verification accepted, and (where its sampling asks for
+    them) the emitted tokens' log-probabilities, off the target's rows of the accepted path."""
 
     tree: DraftTree
     result: AcceptResult
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def new_tokens(self) -> list[int]:
@@ -97,8 +100,12 @@ class HostTreeStep:
         for seq, tree in zip(seqs, trees, strict=True):
             n = tree.num_nodes
             result = self._verify(seq, tree, logits[offset : offset + n])
-            verified.append(Verified(tree, result))
             path = torch.tensor(result.accepted, device=self.device)  # [m + 1] node indices
+            step = Verified(tree, result)
+            if seq.sampling.logprobs is not None:  # node a's row predicts the token after a
+                lp = token_logprobs(logits[offset : offset + n][path], step.new_tokens, seq.sampling.logprobs)
+                step = step._replace(logprobs=lp)
+            verified.append(step)
             slots = batch.slot_mapping[offset : offset + n]  # [n] flat slots of the tree
             m = len(result.accepted) - 1
             if any(a != i for i, a in enumerate(result.accepted)):

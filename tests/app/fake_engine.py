@@ -5,7 +5,7 @@ Generation: the token at position ``p`` of a sequence (prompt included) is byte
 ``REPLY[p % len(REPLY)]``, so the output depends only on the sequence length; a session turn
 and one request over the same whole sequence produce the same tokens. Each step emits 1, 2 or 3
 tokens in turn (as if 0, 1 or 2 of 3 drafts were accepted), so multi-byte characters and stop
-strings straddle steps.
+strings straddle steps. Asked for log-probabilities, every token has -0.25 (``fake_logprob``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.outputs import RequestOutput, SpecStats, ZeroEvent
 from engine.params import SamplingParams
 from engine.step_failure import StepFailed
@@ -52,6 +53,13 @@ def expected_text(total_len: int, n: int) -> str:
     """What the fake engine generates after ``total_len`` tokens, ``n`` tokens long."""
     data = bytes(REPLY[(total_len + i) % len(REPLY)] for i in range(n))
     return data.decode("utf-8", errors="replace")
+
+
+def fake_logprob(token: int, k: int) -> TokenLogprob:
+    """The stand-in's log-probability of ``token`` (-0.25), and its top ``k``: the token, then
+    the ids after it at -1, -2, ..."""
+    top = ((token, -0.25), *((token + i, -float(i)) for i in range(1, k)))
+    return TokenLogprob(token, -0.25, top[:k])
 
 
 @dataclass
@@ -243,6 +251,8 @@ class FakeEngine:
             seq.stats.record_step(drafted, min(accepted, len(new) - 1))
             accepted = min(accepted, len(new) - 1)
         self._blocks[id(seq)] = math.ceil(len(seq.tokens) / BLOCK_SIZE)
+        k = seq.sampling.logprobs
+        new_logprobs = None if k is None else [fake_logprob(t, k) for t in new]
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new,
@@ -253,6 +263,7 @@ class FakeEngine:
             stats=seq.stats,
             step_drafted=drafted,
             step_accepted=accepted,
+            new_logprobs=new_logprobs,
         )
         if reason is not None:
             del self._requests[seq.request_id]

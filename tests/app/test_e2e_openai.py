@@ -151,6 +151,27 @@ def test_openai_batch_of_prompts_and_seeded_choices(server: Server) -> None:
     assert len({c.text for c in seeded.choices}) > 1, "three seeds, one text"
 
 
+def test_openai_logprobs_through_the_client(server: Server) -> None:
+    """Greedy: each token is its position's most likely one, so the top alternative is the
+    token itself, with the same log-probability; chat carries the same shape per token."""
+    client = server.client()
+    out = client.completions.create(  # type: ignore[call-overload]
+        model=server.model, prompt="def main(", max_tokens=8, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and len(top) <= 3
+        assert top[token] == pytest.approx(logprob) and max(top.values()) == pytest.approx(logprob)
+    chat = client.chat.completions.create(  # type: ignore[call-overload]
+        model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in content)
+
+
 def test_edge_sampling_parameters_are_served_not_failed(server: Server) -> None:
     # A temperature of 1e-40 is valid (the schema allows [0, 2]) but overflows the logits when
     # divided by: it had failed the engine step and every request in it (a 500). It decodes

@@ -39,7 +39,7 @@ async def test_auth_errors() -> None:
         ({"prompt": [[1], []]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [999999]}, "prompt"),
-        ({"prompt": "x", "logprobs": 3}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, None),
         ({"prompt": "x" * 600}, "prompt"),
         ({"prompt": "x", "max_tokens": 600}, "max_tokens"),
