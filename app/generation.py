@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,6 +46,7 @@ class GenerationInput:
     history_tokens: int = 0  # the session's tokens before this turn
     cached_tokens: int = 0  # of those, the ones whose KV entries the turn reuses
     prompt_text: str | None = None  # kept only for debug logging (MTPSERVE_LOG_TEXT)
+    echo: str | None = None  # text sent before the completion's (``echo``: the prompt's)
 
 
 async def until_done_or_disconnect(request: Request, awaitable: Any) -> Any:
@@ -84,6 +86,8 @@ class Generation:
         # not yet handed to the stream (``take_logprobs``).
         self.logprobs: list[TokenLogprob] = []
         self._unsent_logprobs: list[TokenLogprob] = []
+        # With ``echo``: the prompt's (its first token's log-probability NaN: no context).
+        self.prompt_logprobs: list[TokenLogprob] = []
         self._closed = False
         tok = service.engine.tokenizer
         self._detok = IncrementalDetokenizer(tok, inp.prompt_token_ids) if tok else None
@@ -152,9 +156,12 @@ class Generation:
     async def deltas(self) -> AsyncIterator[str]:
         """Text pieces as they become final; sets finish_reason at the end."""
         assert self.stream is not None
+        echo = self.inp.echo
         while self.finish_reason is None:
             out: StepOutput = await self.stream.get()
             text = self._take(out)
+            if echo is not None:  # with the first output, which brings the prompt's logprobs
+                text, echo = echo + text, None
             if self._stops.stopped:
                 self.finish_reason = "stop"
                 self.service.loop.abort(self.request_id)
@@ -176,6 +183,10 @@ class Generation:
             elif self.last_token_at is not None:
                 metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now
+        if out.prompt_logprobs is not None and not self.prompt_logprobs:
+            first = TokenLogprob(self.inp.prompt_token_ids[0], math.nan, ())
+            self.prompt_logprobs = [first, *out.prompt_logprobs[1:]]
+            self._unsent_logprobs[:0] = self.prompt_logprobs
         if out.finish_reason != "abort":
             self.token_ids.extend(out.new_token_ids)
             if out.new_logprobs:

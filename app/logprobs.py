@@ -1,12 +1,15 @@
 """Generated tokens' log-probabilities in OpenAI's two shapes (``engine.logprobs``: the model's
 raw distribution, each token with its position's most likely alternatives).
 
-A token's text is its own decoding (``tokenizer.decode([id])``), and its ``bytes`` that text's
-UTF-8, as vLLM gives them: a token holding part of a multi-byte character shows as U+FFFD.
+A token's text is its own decoding (``tokenizer.decode([id])``, special tokens as ""), and its
+``bytes`` that text's UTF-8, as vLLM gives them: a token holding part of a multi-byte character
+shows as U+FFFD. With ``echo`` the prompt's tokens come first, the first of them with no
+log-probability (null).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine.logprobs import TokenLogprob
@@ -22,7 +25,9 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+            text = self._texts[token_id] = self._tokenizer.decode(
+                [token_id], skip_special_tokens=True
+            )
         return text
 
 
@@ -37,10 +42,16 @@ def completion_logprobs(
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
+    known = [not math.isnan(lp.logprob) for lp in logprobs]  # an echoed prompt's first: no context
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{texts(t): v for t, v in lp.top} for lp in logprobs],
+        "token_logprobs": [
+            lp.logprob if ok else None for lp, ok in zip(logprobs, known, strict=True)
+        ],
+        "top_logprobs": [
+            {texts(t): v for t, v in lp.top} if ok else None
+            for lp, ok in zip(logprobs, known, strict=True)
+        ],
         "text_offset": offsets,
     }
 

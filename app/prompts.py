@@ -9,6 +9,20 @@ from app.errors import APIError, bad_request
 from app.schemas import ChatMessage
 
 
+def echo_text(tokenizer: Any, prompt: str | list[int]) -> str:
+    """The text ``echo`` sends before the completion: the prompt as given, or its token ids
+    decoded (special tokens left out; "" where they do not decode: the engine rejects
+    unknown ids)."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        return (
+            str(tokenizer.decode(prompt, skip_special_tokens=True)) if tokenizer is not None else ""
+        )
+    except Exception:
+        return ""
+
+
 def encode_prompt(
     tokenizer: Any,
     prompt: str | list[int],

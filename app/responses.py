@@ -43,7 +43,7 @@ def _whole(
     gen: Generation, shape: Callable[[list[TokenLogprob]], dict[str, Any]]
 ) -> dict[str, Any] | None:
     """A whole choice's log-probabilities in ``shape`` (None where not asked for)."""
-    return None if gen.inp.sampling.logprobs is None else shape(gen.logprobs)
+    return None if gen.inp.sampling.logprobs is None else shape([*gen.prompt_logprobs, *gen.logprobs])
 
 
 def _token_ids(gen: Generation, wanted: bool) -> list[int] | None:

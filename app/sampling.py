@@ -46,6 +46,7 @@ def build_sampling(
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=bool(req.ignore_eos),
             logprobs=req.logprob_count,
+            prompt_logprobs=req.prompt_logprob_count,
         )
     except ValueError as exc:  # messages name the field and quote only numbers
         field = str(exc).split(" ", 1)[0]

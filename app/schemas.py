@@ -87,6 +87,11 @@ class SamplingFields(_Strict):
         log-probabilities)."""
         return None
 
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """``SamplingParams.prompt_logprobs`` (completions with ``echo``)."""
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: PromptText | list[TokenId] | list[PromptText] | list[list[TokenId]]
@@ -115,16 +120,13 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     @property
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
     def single_prompt(self) -> str | list[int]:
         """The first prompt (a session turn has one: ``SessionCompletionRequest``)."""
         return self.prompts[0]
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
 
     @field_validator("best_of")
     @classmethod

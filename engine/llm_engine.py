@@ -54,6 +54,7 @@ CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
 # Adaptive: steps without a new request after which the running batch counts as closed (it
 # only shrinks), unless the caller said so from the start (``LLMEngine.closed_workload``).
+PROMPT_SCORE_ROWS = 256  # prompt rows whose logits are taken at once (prompt_logprobs)
 QUIET_STEPS_FOR_CLOSED = 32
 # Zeroing records kept for ``drain_zero_events`` (the service drains them every step): an engine
 # driven offline, which never drains, keeps only the newest.
@@ -315,6 +316,7 @@ class LLMEngine:
             seq.new_turn()
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
+        seq.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else []
         self._steps_since_arrival = 0
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -683,6 +685,8 @@ class LLMEngine:
         del self._parked[request_id]
         del seq.tokens[seq.output_start + num_delivered :]
         del seq.logprobs[num_delivered:]
+        if seq.sampling.prompt_logprobs is not None:  # its prompt is prefilled again
+            seq.prompt_logprobs = [None]
         seq.quarantined, seq.resumed, seq.suspect = seq.resumed, True, True
         seq.finish_reason = None
         seq.stats = type(seq.stats)()
@@ -838,6 +842,8 @@ class LLMEngine:
             offset += chunk
             if self.drafter is not None:
                 seq.push_hidden(0, seq.num_committed, h)
+            if seq.sampling.prompt_logprobs is not None:
+                self._score_prompt(seq, seq.num_committed, h)
             seq.num_committed += chunk
             if seq.num_committed == len(seq.tokens):
                 finishing.append((seq, h[-1]))
@@ -863,6 +869,20 @@ class LLMEngine:
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None, logprobs=lp)
             if not early:
                 self._catch_up_prompts(prefilled, whole)
+
+    def _score_prompt(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens that the rows ``hidden`` [C, H] of
+        positions ``start``.. predict (row p predicts token p + 1), into the turn's
+        ``prompt_logprobs``; 256 rows of logits at a time."""
+        first = seq.output_start - seq.num_prompt_tokens  # the turn's prompt starts here
+        lo = max(start, first)
+        hi = min(start + hidden.shape[0], seq.output_start - 1)
+        k = seq.sampling.prompt_logprobs
+        assert k is not None
+        for a in range(lo, hi, PROMPT_SCORE_ROWS):
+            b = min(a + PROMPT_SCORE_ROWS, hi)
+            logits = self.model.logits(hidden[a - start : b - start])  # [b - a, V]
+            seq.prompt_logprobs.extend(token_logprobs(logits, seq.tokens[a + 1 : b + 1], k))
 
     def _catch_up_prompts(self, prefilled: list[Sequence], whole_chunk: bool) -> None:
         """Catch the MTP modules up over the prompts of ``prefilled`` (their prefill just ended;
@@ -1149,6 +1169,7 @@ class LLMEngine:
                 span=(seq.output_start, len(seq.tokens)),
                 logprobs=None if new_logprobs is None else seq.logprobs,
                 new_logprobs=new_logprobs,
+                prompt_logprobs=seq.prompt_logprobs if params.prompt_logprobs is not None else None,
             )
         )
         if reason:

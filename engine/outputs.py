@@ -53,8 +53,8 @@ class RequestOutput:
     a request's length); a caller reading ``token_ids`` of the final output only pays it once."""
 
     __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens",
-                 "stats", "step_drafted", "step_accepted", "new_logprobs", "_logprobs", "_tokens",
-                 "_span")  # fmt: skip
+                 "stats", "step_drafted", "step_accepted", "new_logprobs", "prompt_logprobs",
+                 "_logprobs", "_tokens", "_span")  # fmt: skip
 
     def __init__(
         self,
@@ -71,6 +71,7 @@ class RequestOutput:
         span: tuple[int, int] | None = None,  # the part of ``token_ids`` generated so far (None: all)
         logprobs: list[TokenLogprob] | None = None,  # every generated token's (asked for: else None)
         new_logprobs: list[TokenLogprob] | None = None,  # ``new_token_ids``' (asked for: else None)
+        prompt_logprobs: list[TokenLogprob | None] | None = None,  # the prompt's (first: None)
     ) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
@@ -84,6 +85,7 @@ class RequestOutput:
         self._span = (0, len(token_ids)) if span is None else span
         self._logprobs = logprobs
         self.new_logprobs = new_logprobs
+        self.prompt_logprobs = prompt_logprobs
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:

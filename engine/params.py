@@ -24,7 +24,8 @@ class SamplingParams:
     ``top_k`` 0 are off. Presence and frequency penalties apply to tokens generated so far (as
     vLLM and OpenAI do). ``seed=None`` gives the sequence its own fresh randomness; an int makes
     the request reproducible. ``logprobs`` (None or 0-20) asks for each generated token's
-    log-probability and its position's most likely tokens (``RequestOutput.new_logprobs``).
+    log-probability and its position's most likely tokens (``RequestOutput.new_logprobs``);
+    ``prompt_logprobs`` the same for the prompt (``RequestOutput.prompt_logprobs``).
     """
 
     max_tokens: int = 16
@@ -39,6 +40,9 @@ class SamplingParams:
     # None: no log-probabilities; k: each generated token's and its position's k most likely
     # (``engine.logprobs``: the model's raw distribution).
     logprobs: int | None = None
+    # The same for the prompt's tokens (each but the first, which has no context), given with
+    # the first output (``RequestOutput.prompt_logprobs``).
+    prompt_logprobs: int | None = None
     # Derived on construction (read per sequence in every step's host work, where a property's
     # call per read showed: ``scripts/closed_round_ops.py``).
     greedy: bool = field(init=False, repr=False, compare=False)
@@ -68,11 +72,12 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):  # fmt: skip
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         object.__setattr__(self, "greedy", float(self.temperature) == 0.0)
         object.__setattr__(self, "has_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
         object.__setattr__(self, "stays_on_host", self.has_penalties or self.logprobs is not None)

@@ -61,6 +61,8 @@ class Sequence:
     finish_reason: str | None = None
     # This turn's generated tokens' log-probabilities, where its sampling asks for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # This turn's prompt tokens' (None for its first), where its sampling asks for them.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     mtp_committed: list[int] = field(default_factory=list)
     pending_hidden: list[torch.Tensor | None] = field(default_factory=list)
     pending_start: list[int] = field(default_factory=list)
@@ -80,6 +82,7 @@ class Sequence:
         """A session's next request: a failed step of an earlier turn counts against none."""
         self.resumed = self.suspect = self.quarantined = False
         self.logprobs = []
+        self.prompt_logprobs = []
 
     def __post_init__(self) -> None:
         self._fresh_mtp_state()

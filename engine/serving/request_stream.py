@@ -55,10 +55,14 @@ class StepOutput:
     stats: SpecStatsSnapshot | None
     # ``new_token_ids``' log-probabilities (``engine.logprobs.TokenLogprob``), where asked for.
     new_logprobs: tuple[Any, ...] | None = None
+    # The prompt's (its first token's None), with the turn's first output only.
+    prompt_logprobs: tuple[Any, ...] | None = None
 
     @classmethod
     def from_engine(cls, out: Any) -> StepOutput:
         logprobs = getattr(out, "new_logprobs", None)
+        prompt = getattr(out, "prompt_logprobs", None)
+        first = out.num_generated == len(out.new_token_ids)
         return cls(
             request_id=out.request_id,
             new_token_ids=tuple(int(t) for t in out.new_token_ids),
@@ -68,6 +72,7 @@ class StepOutput:
             num_prompt_tokens=int(out.num_prompt_tokens),
             stats=SpecStatsSnapshot.from_engine(getattr(out, "stats", None)),
             new_logprobs=None if logprobs is None else tuple(logprobs),
+            prompt_logprobs=tuple(prompt) if prompt is not None and first else None,
         )
 
     @classmethod

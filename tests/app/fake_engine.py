@@ -224,9 +224,14 @@ class FakeEngine:
 
     def _advance(self, seq: _Seq) -> RequestOutput:
         drafted = accepted = None
+        prompt_logprobs = None
         if not seq.running:
             seq.running = True
             n = 1  # prefill emits the first token
+            k = seq.sampling.prompt_logprobs
+            if k is not None:
+                prompt = seq.tokens[seq.output_start - seq.num_prompt_tokens : seq.output_start]
+                prompt_logprobs = [None, *(fake_logprob(t, k) for t in prompt[1:])]
         else:
             n = 1 + seq.step_index % 3
             drafted, accepted = 3, n - 1
@@ -264,6 +269,7 @@ class FakeEngine:
             step_drafted=drafted,
             step_accepted=accepted,
             new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         if reason is not None:
             del self._requests[seq.request_id]

@@ -170,6 +170,14 @@ def test_openai_logprobs_through_the_client(server: Server) -> None:
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in content)
+    # Scoring a text as evaluation harnesses do: echo, one new token, the prompt's logprobs.
+    scored = client.completions.create(  # type: ignore[call-overload]
+        model=server.model, prompt="import os\nimport sys", max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith("import os\nimport sys")
+    assert len(lp.tokens) == scored.usage.prompt_tokens + 1
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
 
 
 def test_edge_sampling_parameters_are_served_not_failed(server: Server) -> None:

@@ -79,3 +79,25 @@ async def test_bad_logprobs_requests() -> None:
         assert "top_logprobs needs logprobs" in assert_error(resp, 400)["message"]
         resp = await h.client.post(url, json={**CHAT, "logprobs": True, "top_logprobs": 21}, headers=auth())
         assert_error(resp, 400, "top_logprobs")
+
+
+async def test_echo_sends_the_prompt_first_with_its_logprobs() -> None:
+    async with running_app() as h:
+        plain = (await h.complete(prompt="Hi", max_tokens=4)).json()["choices"][0]["text"]
+        echoed = (await h.complete(prompt="Hi", max_tokens=4, echo=True)).json()["choices"][0]
+        assert echoed["text"] == "Hi" + plain and echoed.get("logprobs") is None
+        ids = [1, 3 + ord("H"), 3 + ord("i")]
+        assert (await h.complete(prompt=ids, max_tokens=4, echo=True)).json()["choices"][0]["text"] == "Hi" + plain
+        body = {"prompt": "Hi", "max_tokens": 4, "echo": True, "logprobs": 1}
+        choice = (await h.complete(**body)).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert lp["tokens"][:3] == ["", "H", "i"]  # BOS (special: no text), then the prompt's
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == [-0.25] * 6
+        assert [choice["text"][o : o + len(t)] for t, o in zip(lp["tokens"], lp["text_offset"], strict=True)] == lp["tokens"]
+        resp = await h.complete(**body, stream=True)
+        chunks = [c["choices"][0] for c in sse_payloads(resp.text)]
+        assert chunks[0]["text"].startswith("Hi")
+        assert "".join(c["text"] for c in chunks) == choice["text"]
+        streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert streamed == lp["tokens"]

@@ -101,3 +101,33 @@ def test_bad_logprobs_are_value_errors() -> None:
             SamplingParams(logprobs=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rows"):
         token_logprobs(torch.zeros(2, 5), [1], 0)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_prompt_logprobs_are_the_models(folder: Path, reference: torch.nn.Module, chunk: int | None) -> None:
+    """Each prompt token but the first (no context) gets its log-probability and top 2 from
+    the prefill, chunked or not, with the first output; a session turn scores its own prompt."""
+    from engine import EngineConfig
+
+    config = EngineConfig(prefill_chunk_tokens=chunk) if chunk else None
+    eng = LLMEngine.from_pretrained(folder, spec=SpecConfig(method="tree"), engine_config=config)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    for prompt, out in zip(PROMPTS, eng.generate(PROMPTS, sp), strict=True):
+        scored = out.prompt_logprobs
+        assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+        with torch.no_grad():
+            want = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        for i, lp in enumerate(scored[1:], start=1):
+            assert lp is not None and lp.token_id == prompt[i]
+            assert lp.logprob == pytest.approx(want[i - 1, prompt[i]].item(), abs=1e-4)
+            assert [t for t, _ in lp.top] == want[i - 1].topk(2).indices.tolist()
+    eng.open_session("s")
+    for turn, prompt in enumerate(PROMPTS[:2]):
+        eng.add_request(f"t{turn}", prompt, sp, session_id="s")
+        first = None
+        while first is None:  # the prompt may take several chunks
+            first = next((o for o in eng.step() if o.request_id == f"t{turn}"), None)
+        assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(prompt)
+        assert [lp.token_id for lp in first.prompt_logprobs[1:]] == prompt[1:]  # type: ignore[union-attr]
+        while eng.has_unfinished_requests():
+            eng.step()

@@ -7,7 +7,7 @@ from app.api.routes.responses_doc import ERRORS
 from app.choices import Choices
 from app.errors import bad_request
 from app.generation import GenerationInput
-from app.prompts import encode_prompt
+from app.prompts import echo_text, encode_prompt
 from app.responses import completion_response
 from app.sampling import build_sampling, resolve_max_tokens
 from app.schemas import MAX_CHOICES, CompletionRequest, CompletionResponse
@@ -39,6 +39,7 @@ async def create_completion(
             sampling=build_sampling(body, max_tokens),
             stops=body.stop_list,
             prompt_text=prompt if isinstance(prompt, str) else None,
+            echo=echo_text(engine.tokenizer, prompt) if body.echo else None,
         ))  # fmt: skip
     choices = Choices.build(service, tenant, inputs, n, "cmpl")
     await choices.start(request)

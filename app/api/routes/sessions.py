@@ -11,7 +11,7 @@ from app.api.routes.responses_doc import ERRORS
 from app.choices import Choices
 from app.errors import APIError, not_found, too_many
 from app.generation import GenerationInput
-from app.prompts import encode_prompt
+from app.prompts import echo_text, encode_prompt
 from app.responses import completion_response
 from app.sampling import build_sampling, resolve_max_tokens
 from app.schemas import (
@@ -130,4 +130,5 @@ async def _turn_input(
         history_tokens=history,
         cached_tokens=cached,
         prompt_text=body.prompt if isinstance(body.prompt, str) else None,
+        echo=echo_text(engine.tokenizer, body.single_prompt) if body.echo else None,
     )
