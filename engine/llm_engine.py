@@ -447,12 +447,18 @@ class LLMEngine:
     def generate(
         self,
         prompt_token_ids: list[list[int]],
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        sampling = sampling or SamplingParams()
+        """Every prompt's final output, in order; ``sampling``: one for all, or one per prompt."""
+        if isinstance(sampling, list):
+            if len(sampling) != len(prompt_token_ids):
+                raise ValueError(f"{len(sampling)} sampling params for {len(prompt_token_ids)} prompts")
+            params = sampling
+        else:
+            params = [sampling or SamplingParams()] * len(prompt_token_ids)
         ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompt_token_ids))]
-        for rid, prompt in zip(ids, prompt_token_ids, strict=True):
-            self.add_request(rid, list(prompt), sampling)
+        for rid, prompt, sp in zip(ids, prompt_token_ids, params, strict=True):
+            self.add_request(rid, list(prompt), sp)
         final: dict[str, RequestOutput] = {}
         with self.closed_batch():
             while len(final) < len(ids):
