@@ -101,7 +101,7 @@ gpu_tests() {  # $1: seconds allowed
         echo "== GPU kernel tests (at most $1 s)"
         # The failed-step test first: the kernel tests alone took more than 180 s in session 41.
         timeout "$1" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_step_failure.py \
-            tests/engine/kernels/test_gpu_kernels.py \
+            tests/engine/test_mixed_sampling_batches.py tests/engine/kernels/test_gpu_kernels.py \
             > "$OUT/gpu_kernel_tests.log" 2>&1 || echo "== GPU kernel tests exited with status $?"
         tail -1 "$OUT/gpu_kernel_tests.log"
     fi
