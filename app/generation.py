@@ -144,8 +144,11 @@ class Generation:
             return unavailable("the server is not accepting requests", "not_ready")
         if isinstance(exc, ValueError):  # engine input validation, KVCacheFull included
             self._count("invalid")
+            message = _engine_message(exc)
             param = "prompt" if self.inp.session is None else "session"
-            return bad_request(_engine_message(exc), param, "invalid_request")
+            if message.startswith("logit_bias"):
+                param = "logit_bias"
+            return bad_request(message, param, "invalid_request")
         if isinstance(exc, RequestFailed):
             self._count("error")
             return APIError(500, "the engine failed while starting the request", code="engine")

@@ -46,8 +46,8 @@ class SamplingFields(_Strict):
     return_token_ids: bool | None = False
     # vLLM extension: keep generating past EOS (benchmarks, tests).
     ignore_eos: bool | None = False
-    # Accepted only with their default meaning (see _defaults_only).
-    logit_bias: dict[str, float] | None = None
+    # Token id (as a string) -> a bias in [-100, 100] added to its logit before each draw.
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
 
     @field_validator("stop")
     @classmethod
@@ -60,10 +60,13 @@ class SamplingFields(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _bias_ids_and_values(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
 
     @model_validator(mode="after")
     def _options_need_stream(self) -> SamplingFields:

@@ -273,6 +273,8 @@ class LLMEngine:
         # Checked in C loops (a closed batch of 256 prompts of 64 tokens: 2 ms as a generator).
         if set(map(type, ids)) - {int} or (ids and (min(ids) < 0 or max(ids) >= vocab)):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:  # sorted by id
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {sampling.logit_bias[-1][0]}")
         history: list[int] = []
         session: Sequence | None = None
         if session_id is not None:
@@ -857,7 +859,7 @@ class LLMEngine:
             prefilled = [seq for seq, _ in finishing]
             whole = len(finishing) == len(work)
             logits = self.model.logits(torch.stack([h for _, h in finishing]))  # [F, V]
-            early = self.early_catch_up and not any(s.sampling.has_penalties for s in prefilled)
+            early = self.early_catch_up and not any(s.sampling.adjusts_logits for s in prefilled)
             if early:
                 # The first tokens are drawn and their copy to the host started, then the
                 # catch-up queued behind them: its host work runs while the device runs the

@@ -5,6 +5,7 @@ Frozen dataclasses validated on construction: a bad value raises ``ValueError`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,11 +44,16 @@ class SamplingParams:
     # The same for the prompt's tokens (each but the first, which has no context), given with
     # the first output (``RequestOutput.prompt_logprobs``).
     prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: (token id, value in [-100, 100]) pairs added to the logits before
+    # every draw (a mapping is taken too).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Derived on construction (read per sequence in every step's host work, where a property's
     # call per read showed: ``scripts/closed_round_ops.py``).
     greedy: bool = field(init=False, repr=False, compare=False)
     has_penalties: bool = field(init=False, repr=False, compare=False)
-    # Penalties or log-probabilities: served by the host-driven steps only (no device-resident
+    # Penalties or a logit bias: the logits are changed before each draw, on the host path.
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)
+    # Those or log-probabilities: served by the host-driven steps only (no device-resident
     # tree step, no step launched ahead), which hand the host what they need.
     stays_on_host: bool = field(init=False, repr=False, compare=False)
 
@@ -80,7 +86,16 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         object.__setattr__(self, "greedy", float(self.temperature) == 0.0)
         object.__setattr__(self, "has_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
-        object.__setattr__(self, "stays_on_host", self.has_penalties or self.logprobs is not None)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        try:
+            pairs = tuple(sorted((int(t), float(v)) for t, v in bias))  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in pairs) or len({t for t, _ in pairs}) < len(pairs):
+            raise ValueError(f"logit_bias takes distinct token ids >= 0 with values in [-100, 100], got {pairs!r}")
+        object.__setattr__(self, "logit_bias", pairs)
+        object.__setattr__(self, "adjusts_logits", self.has_penalties or bool(pairs))
+        object.__setattr__(self, "stays_on_host", self.adjusts_logits or self.logprobs is not None)
 
 
 @dataclass(frozen=True)

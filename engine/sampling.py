@@ -99,6 +99,16 @@ def apply_penalties(
     return logits - freq * counts.to(logits.dtype) - pres * (counts > 0).to(logits.dtype)
 
 
+def apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
+    """OpenAI's ``logit_bias``: ``bias``'s values added to its token ids' logits in every row of
+    ``logits`` [N, V] (new tensor)."""
+    ids = torch.tensor([t for t, _ in bias], device=logits.device)
+    values = torch.tensor([v for _, v in bias], device=logits.device, dtype=logits.dtype)
+    out = logits.clone()
+    out[:, ids] += values
+    return out
+
+
 def probs_from_logits(
     logits: Tensor,  # [N, V]
     temperature: Tensor,  # [N] float, 0 = greedy

@@ -5,8 +5,8 @@ rows take the argmax, sampled rows race the noise ``engine.sampling.draw_rows`` 
 one fused kernel on the GPU (``race_draw``). The drawn tokens stay on the device until read,
 packed with a per-row flag "the law had probability mass" so one copy brings both back
 (``read_drawn``), or staged to pinned host memory so that work queued after them does not delay
-their read (``stage_drawn`` / ``read_staged``). Rows with penalties count the generated tokens
-on the host and are drawn one by one (``sample_one``).
+their read (``stage_drawn`` / ``read_staged``). Rows with penalties or a logit bias are drawn
+one by one on the host path (``sample_one``: penalties count the generated tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from engine.host_tensor import int_tensor, to_device
 from engine.sampling import (
     SamplingTensors,
+    apply_logit_bias,
     apply_penalties,
     draw_rows,
     probs_from_logits,
@@ -29,7 +30,7 @@ from engine.spec.device_tree import race_draw
 def sample_tokens(seqs: list[Sequence], logits: torch.Tensor, vocab_size: int) -> list[int]:
     """One token per row of ``logits`` [B, V], read to the host: rows without penalties drawn
     on the device in one read (``draw_tokens``), rows with penalties one by one."""
-    plain = [i for i, s in enumerate(seqs) if not s.sampling.has_penalties]
+    plain = [i for i, s in enumerate(seqs) if not s.sampling.adjusts_logits]
     out: list[int | None] = [None] * len(seqs)
     if plain:
         everyone = len(plain) == len(seqs)
@@ -83,7 +84,8 @@ def draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor
 
 
 def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
-    """``seq``'s token from its logits [V], penalties over its generated tokens applied."""
+    """``seq``'s token from its logits [V], penalties over its generated tokens and its logit
+    bias applied."""
     params = seq.sampling
     if params.has_penalties:
         counts = token_counts([seq.output_ids], vocab_size, logits.device)  # [1, V]
@@ -93,6 +95,8 @@ def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
             torch.tensor([float(params.presence_penalty)]),
             torch.tensor([float(params.frequency_penalty)]),
         )[0]
+    if params.logit_bias:
+        logits = apply_logit_bias(logits[None], params.logit_bias)[0]
     if params.greedy:
         return int(logits.argmax())
     probs = probs_from_logits(

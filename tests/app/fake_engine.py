@@ -120,6 +120,8 @@ class FakeEngine:
             raise ValueError("request_id already in use")
         if any(not 0 <= t < 259 for t in prompt_token_ids):
             raise ValueError("prompt_token_ids must be integers in [0, 259)")
+        if any(t >= 259 for t, _ in sampling.logit_bias):
+            raise ValueError("logit_bias token ids must be in [0, 259)")
         if session_id is not None:
             seq = self._sessions.get(session_id)
             if seq is None:

@@ -180,6 +180,24 @@ def test_openai_logprobs_through_the_client(server: Server) -> None:
     assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
 
 
+def test_openai_logit_bias_forces_and_bans_tokens(server: Server) -> None:
+    client = server.client()
+    kw = dict(model=server.model, prompt="def main(", max_tokens=6, temperature=0)
+    greedy = client.completions.create(**kw, extra_body={"return_token_ids": True})  # type: ignore[call-overload]
+    ids = greedy.choices[0].model_extra["token_ids"]
+    forced = client.completions.create(  # type: ignore[call-overload]
+        **kw, logit_bias={"42": 100}, extra_body={"return_token_ids": True}
+    )
+    assert forced.choices[0].model_extra["token_ids"] == [42] * 6
+    banned = client.completions.create(  # type: ignore[call-overload]
+        **kw, logit_bias={str(ids[0]): -100}, extra_body={"return_token_ids": True}
+    )
+    assert banned.choices[0].model_extra["token_ids"][0] != ids[0]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kw, logit_bias={"99999999": 1})  # type: ignore[call-overload]
+    assert info.value.body["param"] == "logit_bias"  # type: ignore[index]
+
+
 def test_edge_sampling_parameters_are_served_not_failed(server: Server) -> None:
     # A temperature of 1e-40 is valid (the schema allows [0, 2]) but overflows the logits when
     # divided by: it had failed the engine step and every request in it (a 500). It decodes
