@@ -43,7 +43,7 @@ def build_sampling(
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed,
-            stop_token_ids=tuple(stop_token_ids),
+            stop_token_ids=(*stop_token_ids, *(req.stop_token_ids or ())),
             ignore_eos=bool(req.ignore_eos),
             logprobs=req.logprob_count,
             prompt_logprobs=req.prompt_logprob_count,

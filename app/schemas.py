@@ -46,6 +46,8 @@ class SamplingFields(_Strict):
     return_token_ids: bool | None = False
     # vLLM extension: keep generating past EOS (benchmarks, tests).
     ignore_eos: bool | None = False
+    # vLLM extension: token ids that end the output (kept in it, as EOS is).
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     # Token id (as a string) -> a bias in [-100, 100] added to its logit before each draw.
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
 

@@ -196,6 +196,11 @@ def test_openai_logit_bias_forces_and_bans_tokens(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(**kw, logit_bias={"99999999": 1})  # type: ignore[call-overload]
     assert info.value.body["param"] == "logit_bias"  # type: ignore[index]
+    stopped = client.completions.create(  # type: ignore[call-overload]
+        **kw, extra_body={"return_token_ids": True, "stop_token_ids": [ids[2]]}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].model_extra["token_ids"] == ids[: ids.index(ids[2]) + 1]
 
 
 def test_edge_sampling_parameters_are_served_not_failed(server: Server) -> None:
