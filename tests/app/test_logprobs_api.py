@@ -101,3 +101,19 @@ async def test_echo_sends_the_prompt_first_with_its_logprobs() -> None:
         assert "".join(c["text"] for c in chunks) == choice["text"]
         streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
         assert streamed == lp["tokens"]
+
+
+def test_chat_bytes_are_a_byte_level_tokens_own() -> None:
+    """With the demo model's byte-level BPE tokenizer, the pieces of a multi-byte character
+    carry their own bytes, which join into the character (their texts show U+FFFD)."""
+    from transformers import AutoTokenizer
+
+    from app.logprobs import TokenTexts, chat_logprobs
+    from engine.logprobs import TokenLogprob
+
+    tokenizer = AutoTokenizer.from_pretrained("models/demo")
+    ids = tokenizer.encode("wörld 🦊", add_special_tokens=True)
+    content = chat_logprobs(TokenTexts(tokenizer), [TokenLogprob(t, -1.0, ((t, -1.0),)) for t in ids])["content"]
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") == "wörld 🦊"  # BOS: no bytes
+    assert "\ufffd" in "".join(e["token"] for e in content)
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
