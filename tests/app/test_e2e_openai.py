@@ -149,6 +149,11 @@ def test_openai_batch_of_prompts_and_seeded_choices(server: Server) -> None:
     generated = sum(len(c.model_extra["token_ids"]) for c in seeded.choices)  # type: ignore[index]
     assert seeded.usage.completion_tokens == generated
     assert len({c.text for c in seeded.choices}) > 1, "three seeds, one text"
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(n=3, seed=7, stream=True, **kw):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in seeded.choices]
 
 
 def test_openai_logprobs_through_the_client(server: Server) -> None:
