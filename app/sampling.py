@@ -48,6 +48,7 @@ def build_sampling(
             logprobs=req.logprob_count,
             prompt_logprobs=req.prompt_logprob_count,
             logit_bias=tuple((int(t), v) for t, v in (req.logit_bias or {}).items()),
+            min_tokens=req.min_tokens or 0,
         )
     except ValueError as exc:  # messages name the field and quote only numbers
         field = str(exc).split(" ", 1)[0]

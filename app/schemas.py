@@ -48,6 +48,8 @@ class SamplingFields(_Strict):
     ignore_eos: bool | None = False
     # vLLM extension: token ids that end the output (kept in it, as EOS is).
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    # vLLM extension: no EOS or stop token ends the output before it has this many tokens.
+    min_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     # Token id (as a string) -> a bias in [-100, 100] added to its logit before each draw.
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
 

@@ -319,6 +319,10 @@ class LLMEngine:
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
         seq.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else []
+        seq.ends = ()
+        if sampling.min_tokens:
+            eos = frozenset() if sampling.ignore_eos else self.eos_token_ids
+            seq.ends = tuple(sorted(eos | set(sampling.stop_token_ids)))
         self._steps_since_arrival = 0
         self._requests[request_id] = seq
         self.scheduler.add(seq)

@@ -47,11 +47,14 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, value in [-100, 100]) pairs added to the logits before
     # every draw (a mapping is taken too).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # No EOS or stop token may end the output before it has this many tokens (vLLM's).
+    min_tokens: int = 0
     # Derived on construction (read per sequence in every step's host work, where a property's
     # call per read showed: ``scripts/closed_round_ops.py``).
     greedy: bool = field(init=False, repr=False, compare=False)
     has_penalties: bool = field(init=False, repr=False, compare=False)
-    # Penalties or a logit bias: the logits are changed before each draw, on the host path.
+    # Penalties, a logit bias or min_tokens: the logits are changed before each draw, on the
+    # host path.
     adjusts_logits: bool = field(init=False, repr=False, compare=False)
     # Those or log-probabilities: served by the host-driven steps only (no device-resident
     # tree step, no step launched ahead), which hand the host what they need.
@@ -91,10 +94,13 @@ class SamplingParams:
             pairs = tuple(sorted((int(t), float(v)) for t, v in bias))  # type: ignore[call-overload]
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
-        if any(t < 0 or not -100.0 <= v <= 100.0 for t, v in pairs) or len({t for t, _ in pairs}) < len(pairs):
+        repeated = len({t for t, _ in pairs}) < len(pairs)
+        if repeated or any(t < 0 or not -100.0 <= v <= 100.0 for t, v in pairs):
             raise ValueError(f"logit_bias takes distinct token ids >= 0 with values in [-100, 100], got {pairs!r}")
         object.__setattr__(self, "logit_bias", pairs)
-        object.__setattr__(self, "adjusts_logits", self.has_penalties or bool(pairs))
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        object.__setattr__(self, "adjusts_logits", self.has_penalties or bool(pairs) or self.min_tokens > 0)
         object.__setattr__(self, "stays_on_host", self.adjusts_logits or self.logprobs is not None)
 
 

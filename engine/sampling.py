@@ -109,6 +109,14 @@ def apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Ten
     return out
 
 
+def ban_tokens(logits: Tensor, rows: list[int], ids: tuple[int, ...]) -> Tensor:
+    """``logits`` [N, V] with ``ids`` at -inf in ``rows`` (new tensor): ``min_tokens``'s ban of
+    the tokens that would end the output."""
+    out = logits.clone()
+    out[torch.tensor(rows, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)[None, :]] = float("-inf")
+    return out
+
+
 def probs_from_logits(
     logits: Tensor,  # [N, V]
     temperature: Tensor,  # [N] float, 0 = greedy

@@ -59,6 +59,9 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
+    # The ids that would end this turn's output (EOS, stop ids), kept from being drawn while it
+    # is shorter than its sampling's min_tokens (empty without one).
+    ends: tuple[int, ...] = ()
     # This turn's generated tokens' log-probabilities, where its sampling asks for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # This turn's prompt tokens' (None for its first), where its sampling asks for them.

@@ -5,8 +5,8 @@ rows take the argmax, sampled rows race the noise ``engine.sampling.draw_rows`` 
 one fused kernel on the GPU (``race_draw``). The drawn tokens stay on the device until read,
 packed with a per-row flag "the law had probability mass" so one copy brings both back
 (``read_drawn``), or staged to pinned host memory so that work queued after them does not delay
-their read (``stage_drawn`` / ``read_staged``). Rows with penalties or a logit bias are drawn
-one by one on the host path (``sample_one``: penalties count the generated tokens).
+their read (``stage_drawn`` / ``read_staged``). Rows with penalties, a logit bias or
+``min_tokens`` are drawn one by one on the host path (``sample_one``: penalties count the generated tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine.sampling import (
     SamplingTensors,
     apply_logit_bias,
     apply_penalties,
+    ban_tokens,
     draw_rows,
     probs_from_logits,
     sample_from_probs,
@@ -84,8 +85,8 @@ def draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor
 
 
 def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
-    """``seq``'s token from its logits [V], penalties over its generated tokens and its logit
-    bias applied."""
+    """``seq``'s token from its logits [V], penalties over its generated tokens, its logit
+    bias and its ``min_tokens`` ban applied."""
     params = seq.sampling
     if params.has_penalties:
         counts = token_counts([seq.output_ids], vocab_size, logits.device)  # [1, V]
@@ -97,6 +98,8 @@ def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
         )[0]
     if params.logit_bias:
         logits = apply_logit_bias(logits[None], params.logit_bias)[0]
+    if seq.ends and seq.num_output_tokens < params.min_tokens:
+        logits = ban_tokens(logits[None], [0], seq.ends)[0]
     if params.greedy:
         return int(logits.argmax())
     probs = probs_from_logits(

@@ -24,7 +24,13 @@ from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model.attention_batch import AttentionBatch
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.outputs import StepTimings
-from engine.sampling import apply_logit_bias, apply_penalties, probs_from_logits, token_counts
+from engine.sampling import (
+    apply_logit_bias,
+    apply_penalties,
+    ban_tokens,
+    probs_from_logits,
+    token_counts,
+)
 from engine.sequence import Sequence
 from engine.simulator.tree_shape import TreeShape
 from engine.spec.acceptance_stats import AcceptanceCounter
@@ -142,7 +148,8 @@ class HostTreeStep:
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         """Accept a path of ``tree`` against the target's logits [n, V] at its nodes, under
         ``seq``'s sampling rule (penalties counted along each node's path, the logit bias
-        added)."""
+        added, the ends of the output banned where a node's token would come before
+        ``min_tokens``)."""
         params = seq.sampling
         if params.has_penalties:
             base = token_counts([seq.output_ids], logits.shape[-1], logits.device)[0]  # [V]
@@ -152,6 +159,10 @@ class HostTreeStep:
             logits = apply_penalties(logits, counts, pres, freq)
         if params.logit_bias:
             logits = apply_logit_bias(logits, params.logit_bias)
+        made = seq.num_output_tokens
+        if seq.ends and made < params.min_tokens:  # node a's row draws output made + depth(a) + 1
+            early = [i for i, d in enumerate(tree.depth_list) if made + d < params.min_tokens]
+            logits = ban_tokens(logits, early, seq.ends)
         if params.greedy:
             return verify_greedy(tree, logits.argmax(dim=-1))
         n = tree.num_nodes

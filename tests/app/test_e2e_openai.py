@@ -206,6 +206,12 @@ def test_openai_logit_bias_forces_and_bans_tokens(server: Server) -> None:
     )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].model_extra["token_ids"] == ids[: ids.index(ids[2]) + 1]
+    held = client.completions.create(  # type: ignore[call-overload]
+        **kw, logit_bias={"42": 100},
+        extra_body={"return_token_ids": True, "stop_token_ids": [42], "min_tokens": 3},
+    )  # fmt: skip
+    held_ids = held.choices[0].model_extra["token_ids"]
+    assert len(held_ids) == 4 and 42 not in held_ids[:3] and held_ids[3] == 42
 
 
 def test_edge_sampling_parameters_are_served_not_failed(server: Server) -> None:

@@ -44,6 +44,7 @@ async def test_auth_errors() -> None:
         ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias"),
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, None),
         ({"prompt": "x" * 600}, "prompt"),
         ({"prompt": "x", "max_tokens": 600}, "max_tokens"),

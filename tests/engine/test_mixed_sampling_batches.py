@@ -4,8 +4,8 @@ The server fails every request of a step that raises (``engine.serving.engine_lo
 request's parameters must never make a step raise: here each speculation method, host-driven and
 with the static (CUDA-graph) code run eagerly, decodes random batches mixing greedy and sampled
 rows, temperatures at the edges (1e-40, which overflowed the logits, below ``MIN_TEMPERATURE``, at it, 100), top-k and top-p from
-off to a single token and past the vocabulary, penalties, seeds, stop tokens, lengths and
-log-probabilities. Every
+off to a single token and past the vocabulary, penalties, seeds, stop tokens, lengths,
+log-probabilities, logit biases and minimum lengths. Every
 request must finish within its ``max_tokens``, and the KV blocks must all come back.
 """
 
@@ -22,8 +22,9 @@ VOCAB = 6  # small_vocab_dir's
 
 
 def _random_params(rng: random.Random) -> SamplingParams:
+    max_tokens = rng.choice([1, 2, 5, 17])
     return SamplingParams(
-        max_tokens=rng.choice([1, 2, 5, 17]),
+        max_tokens=max_tokens,
         temperature=rng.choice([0.0, 1e-40, 1e-6, 1e-5, 0.3, 1.0, 2.0, 100.0]),
         top_p=rng.choice([1e-9, 0.3, 0.9, 1.0, 1.0]),
         top_k=rng.choice([0, 0, 1, 3, VOCAB, VOCAB + 1, 2**40]),
@@ -34,6 +35,8 @@ def _random_params(rng: random.Random) -> SamplingParams:
         ignore_eos=rng.choice([True, False]),
         logprobs=rng.choice([None, None, None, 0, 3]),
         prompt_logprobs=rng.choice([None, None, None, 2]),
+        logit_bias=rng.choice([(), (), (), ((rng.randrange(VOCAB), rng.choice([-100.0, 3.0, 100.0])),)]),
+        min_tokens=rng.choice([0, 0, 0, max_tokens // 2, max_tokens]),
     )
 
 
