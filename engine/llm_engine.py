@@ -52,9 +52,9 @@ from engine.token_draw import draw_tokens, read_drawn, read_staged, sample_token
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_DEFAULT_KV_FRACTION = 0.3
+PROMPT_SCORE_ROWS = 256  # prompt rows whose logits are taken at once (prompt_logprobs)
 # Adaptive: steps without a new request after which the running batch counts as closed (it
 # only shrinks), unless the caller said so from the start (``LLMEngine.closed_workload``).
-PROMPT_SCORE_ROWS = 256  # prompt rows whose logits are taken at once (prompt_logprobs)
 QUIET_STEPS_FOR_CLOSED = 32
 # Zeroing records kept for ``drain_zero_events`` (the service drains them every step): an engine
 # driven offline, which never drains, keeps only the newest.
@@ -189,6 +189,11 @@ class LLMEngine:
         self.closed_workload = False
         self._steps_since_arrival = 0
         self._requests: dict[str, Sequence] = {}
+        # Requests that sample with a seed, and those that ask for log-probabilities: a step
+        # looks at its batch for them only while some exist (the decode hot path's common case
+        # has none). Left when a request finishes or is given up.
+        self._seeded_ids: set[str] = set()
+        self._logprob_ids: set[str] = set()
         self._sessions: dict[str, Sequence] = {}
         self._stepping = False  # inside ``step``: released blocks wait for its end
         self._ended_in_step: list[Sequence] = []  # requests that ended in this step (``step``)
@@ -318,6 +323,10 @@ class LLMEngine:
             seq.new_turn()
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
+        if sampling.seed is not None and not sampling.greedy:
+            self._seeded_ids.add(request_id)
+        if sampling.logprobs is not None:
+            self._logprob_ids.add(request_id)
         seq.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else []
         seq.ends = ()
         if sampling.min_tokens:
@@ -552,7 +561,7 @@ class LLMEngine:
         beside others. They give what no speculation gives with that seed. (Greedy output is
         the same whatever is drafted.)"""
         seeded = self._seeded_apart(decode)
-        rest = [s for s in decode if not _samples_seeded(s)] if seeded else decode
+        rest = [s for s in decode if s.request_id not in self._seeded_ids] if seeded else decode
         closed = not filling and self._batch_closed()
         if rest:
             budget, lag, sampled = self.batch_choice.choose(rest, filling, closed)
@@ -591,9 +600,9 @@ class LLMEngine:
     def _seeded_apart(self, decode: list[Sequence]) -> list[Sequence]:
         """The seeded sampled requests of ``decode`` that adaptive speculation decodes
         autoregressively (``_decode``); none for the other methods, whose budget is fixed."""
-        if self.adaptive is None or self.adaptive.forced is not None:
+        if not self._seeded_ids or self.adaptive is None or self.adaptive.forced is not None:
             return []
-        return [s for s in decode if _samples_seeded(s)]
+        return [s for s in decode if s.request_id in self._seeded_ids]
 
     def _observe_decode(
         self, batch_size: int, budget: TreeBudget, lag: int, sampled: bool, start: float | None,
@@ -711,6 +720,7 @@ class LLMEngine:
         """Give up a parked request: a session's turn is rolled back (the session as it stood
         before the turn; its cache is recomputed at its next turn), anything else is finished."""
         seq.finish_reason = "error"
+        self._forget_ids(seq.request_id)
         if self._keeps_blocks(seq):
             del seq.tokens[seq.output_start - seq.num_prompt_tokens :]
             seq.output_start = len(seq.tokens)
@@ -874,13 +884,32 @@ class LLMEngine:
                 tokens = read_staged(*staged)
             else:
                 tokens = self._sample_rows(prefilled, logits)
+            row_logprobs = self._row_logprobs(prefilled, logits, tokens)
             for i, ((seq, _), token) in enumerate(zip(finishing, tokens, strict=True)):
                 if self.adaptive is not None:
                     seq.yield_clock = (*self._yield_clock, seq.stats.num_accepted_tokens)
-                lp = None if seq.sampling.logprobs is None else token_logprobs(logits[i : i + 1], [token], seq.sampling.logprobs)
+                lp = None if row_logprobs is None else row_logprobs[i]
                 self._append_tokens(seq, [token], outputs, drafted=None, accepted=None, logprobs=lp)
             if not early:
                 self._catch_up_prompts(prefilled, whole)
+
+    def _row_logprobs(
+        self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]
+    ) -> list[list[TokenLogprob] | None] | None:
+        """Per sequence, the log-probability of ``tokens[i]`` under row ``i`` of ``logits``
+        [B, V] where its sampling asks for one (one read for all of them); None where none
+        does."""
+        if not self._logprob_ids:
+            return None
+        rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+        if not rows:
+            return None
+        ks = [seqs[i].sampling.logprobs or 0 for i in rows]
+        found = token_logprobs(logits[rows], [tokens[i] for i in rows], max(ks))
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        for i, k, lp in zip(rows, ks, found, strict=True):
+            out[i] = [lp._replace(top=lp.top[:k])]
+        return out
 
     def _score_prompt(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         """The log-probabilities of the prompt tokens that the rows ``hidden`` [C, H] of
@@ -925,11 +954,11 @@ class LLMEngine:
         launched before this one's host work (``engine.launch_ahead``), where it may be."""
         if launched is None:
             hidden = self._decode_hidden(seqs, [seq.tokens[-1] for seq in seqs], [seq.num_committed for seq in seqs])
-            step_logits = self.model.logits(hidden)  # [B, V]
-            tokens = self._sample_rows(seqs, step_logits)
-            logits: torch.Tensor | None = step_logits
+            logits = self.model.logits(hidden)  # [B, V]
+            tokens = self._sample_rows(seqs, logits)
+            row_logprobs = self._row_logprobs(seqs, logits, tokens)
         else:  # (no sequence asking for log-probabilities is launched ahead)
-            logits = None
+            row_logprobs = None
             rows = rows_within(seqs, launched.seqs)
             everyone = len(rows) == len(launched.seqs)
             tokens = read_drawn(launched.tokens, launched.ok, None if everyone else rows)
@@ -942,8 +971,7 @@ class LLMEngine:
             seq.num_committed += 1
             seq.stats.record_step(0, 0)
             self._step_tokens += 1
-            k = seq.sampling.logprobs
-            lp = None if k is None or logits is None else token_logprobs(logits[i : i + 1], [tokens[i]], k)
+            lp = None if row_logprobs is None else row_logprobs[i]
             self._append_tokens(seq, [tokens[i]], outputs, drafted=0, accepted=0, logprobs=lp)
         if self.drafter is not None:  # after the commits (see HiddenLog); no per-sequence work
             self._hidden_log.append(seqs, hidden, batch_key)
@@ -991,9 +1019,10 @@ class LLMEngine:
 
     def _may_launch_ahead_autoregressive(self, seqs: list[Sequence]) -> bool:
         """Whether the autoregressive step after this one (read, not yet committed) may be
-        launched now: tokens drawn on the device (no penalties, which count the tokens on the
-        host, and no log-probabilities, read off the step's logits), a block for every sequence's next position, and a sequence that has not reached
-        ``max_tokens`` with this step's token."""
+        launched now: tokens drawn on the device (nothing that stays on the host: penalties,
+        which count the tokens there, log-probabilities, read off the step's logits), a block
+        for every sequence's next position, and a sequence that has not reached ``max_tokens``
+        with this step's token."""
         bs, limit = self.pool.block_size, self.max_model_len
         return (all(not s.sampling.stays_on_host and (s.num_committed + 1) // bs < len(s.block_ids)
                     and s.num_committed + 1 < limit for s in seqs)
@@ -1232,6 +1261,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self._requests.pop(seq.request_id, None)
+        self._forget_ids(seq.request_id)
         if self._stepping:
             self._ended_in_step.append(seq)
         if self._keeps_blocks(seq):
@@ -1240,6 +1270,10 @@ class LLMEngine:
             return
         seq.status = SeqStatus.FINISHED
         self._release(seq, seq.request_id)
+
+    def _forget_ids(self, request_id: str) -> None:
+        self._seeded_ids.discard(request_id)
+        self._logprob_ids.discard(request_id)
 
     def _trim_session_blocks(self, seq: Sequence) -> None:
         needed = -(-len(seq.tokens) // self.pool.block_size)
@@ -1269,7 +1303,3 @@ class LLMEngine:
             self.pool.free(self._released)
             self._released = []
 
-
-def _samples_seeded(seq: Sequence) -> bool:
-    """Whether ``seq`` samples with a seed of its own (greedy requests ignore theirs)."""
-    return seq.sampling.seed is not None and not seq.sampling.greedy
