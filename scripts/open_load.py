@@ -46,6 +46,13 @@ def run_round(
     return tokens / (time.perf_counter() - start), per_budget
 
 
+def spent(per_budget: dict[str, list[float]]) -> str:
+    """Steps, seconds and tokens per decode budget, on one line."""
+    return "  ".join(
+        f"{k}: {int(v[0])} steps {v[1]:.2f} s {int(v[2])} tok" for k, v in sorted(per_budget.items())
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/demo")
@@ -71,14 +78,11 @@ def main() -> None:
     print(f"{source} prompts, {args.concurrency} in flight, {args.requests} requests a round")
     for r in range(args.rounds):
         first = r * args.requests
-        ar, _ = run_round(base, prompts, first, args)
+        ar, base_budget = run_round(base, prompts, first, args)
         ad, per_budget = run_round(adaptive, prompts, first, args)
-        spent = "  ".join(
-            f"{k}: {int(v[0])} steps {v[1]:.2f} s {int(v[2])} tok"
-            for k, v in sorted(per_budget.items())
-        )
         print(
-            f"round {r}: none {ar:.1f} tok/s, adaptive {ad:.1f} tok/s ({ad / ar:.2f}x)  {spent}",
+            f"round {r}: none {ar:.1f} tok/s, adaptive {ad:.1f} tok/s ({ad / ar:.2f}x)\n"
+            f"  baseline  {spent(base_budget)}\n  adaptive  {spent(per_budget)}",
             flush=True,
         )
 
