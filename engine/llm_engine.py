@@ -555,11 +555,10 @@ class LLMEngine:
         """The step's decode over ``decode``: its budget chosen, the step run, and (adaptive
         speculation) measured. ``filling``: the step also prefilled (from ``step_start``).
 
-        Under adaptive speculation seeded sampled requests decode autoregressively (apart
-        from a drafting batch): which tokens a seed draws depends on the drafts verified, so
-        under the load-dependent choice the same seeded request gave other tokens alone than
-        beside others. They give what no speculation gives with that seed. (Greedy output is
-        the same whatever is drafted.)"""
+        A seeded sampled request gives the same tokens whatever is drafted (its draws are
+        keyed by position: ``engine.keyed_noise``). On the graphed path, where no device step
+        serves it, adaptive speculation decodes it autoregressively beside a drafting batch
+        rather than take the host-driven tree for it."""
         seeded = self._seeded_apart(decode)
         rest = [s for s in decode if s.request_id not in self._seeded_ids] if seeded else decode
         closed = not filling and self._batch_closed()
@@ -598,9 +597,11 @@ class LLMEngine:
             self._autoregressive_step(seeded, outputs)
 
     def _seeded_apart(self, decode: list[Sequence]) -> list[Sequence]:
-        """The seeded sampled requests of ``decode`` that adaptive speculation decodes
-        autoregressively (``_decode``); none for the other methods, whose budget is fixed."""
-        if not self._seeded_ids or self.adaptive is None or self.adaptive.forced is not None:
+        """The seeded sampled requests of ``decode`` that adaptive speculation on the graphed
+        path decodes autoregressively (``_decode``); none for the other methods, whose budget
+        is fixed, and none on the host-driven path, which drafts for them as for the others."""
+        if (not self._seeded_ids or self.adaptive is None or self.adaptive.forced is not None
+                or not self._graphed_runners):  # fmt: skip
             return []
         return [s for s in decode if s.request_id in self._seeded_ids]
 
@@ -689,10 +690,10 @@ class LLMEngine:
         fails alone, however late in its decoding they start to, and the others of its batches
         are resumed: each runs alone at most once more, where it cannot fail for another. A
         greedy request continues exactly as if no step had failed, an unseeded sampled one from
-        the target's law given its tokens so far. False, and nothing done (give it up with
-        ``abort_request``), if the step failed while it ran alone (it is the cause), or if it
-        samples with a seed: its draws could not continue its seed's, and a seed must
-        reproduce the request."""
+        the target's law given its tokens so far, and a seeded one exactly as if no step had
+        failed (its draws are keyed by position: ``engine.keyed_noise``). False, and nothing
+        done (give it up with ``abort_request``), if the step failed while it ran alone (it is
+        the cause)."""
         seq = self._parked.get(request_id)
         if seq is None:
             raise ValueError(f"request {request_id!r} is not parked by a failed step")
@@ -701,7 +702,7 @@ class LLMEngine:
                              f"tokens request {request_id!r} generated")  # fmt: skip
         # A suspect is cleared once it has decoded a step (at the next admission), and the
         # scheduler runs one at a time with no other sequence: a suspect that failed ran alone.
-        if seq.suspect or seq.quarantined or (seq.sampling.seed is not None and not seq.sampling.greedy):
+        if seq.suspect or seq.quarantined:
             return False
         del self._parked[request_id]
         del seq.tokens[seq.output_start + num_delivered :]
@@ -1032,7 +1033,8 @@ class LLMEngine:
         """Queue the next autoregressive step over ``seqs``, whose tokens ``tokens`` were just
         drawn (their commits not yet made): its tokens stay on the device until it is read."""
         hidden = self._decode_hidden(seqs, tokens, [s.num_committed + 1 for s in seqs])
-        return ARLaunch(list(seqs), hidden, *draw_tokens(seqs, self.model.logits(hidden)))
+        lands_at = [s.num_committed + 2 for s in seqs]  # past the tokens just drawn
+        return ARLaunch(list(seqs), hidden, *draw_tokens(seqs, self.model.logits(hidden), lands_at))
 
     def _speculative_step(
         self, seqs: list[Sequence], budget: TreeBudget, outputs: list[RequestOutput]

@@ -24,7 +24,9 @@ class SamplingParams:
     from, which had failed the engine step and every request in it). ``top_p`` 1.0 and
     ``top_k`` 0 are off. Presence and frequency penalties apply to tokens generated so far (as
     vLLM and OpenAI do). ``seed=None`` gives the sequence its own fresh randomness; an int makes
-    the request reproducible. ``logprobs`` (None or 0-20) asks for each generated token's
+    the request reproducible: its draws are keyed by the seed and each token's position
+    (``engine.keyed_noise``), so it gives the same tokens alone or in any batch, under any
+    speculation method. ``logprobs`` (None or 0-20) asks for each generated token's
     log-probability and its position's most likely tokens (``RequestOutput.new_logprobs``);
     ``prompt_logprobs`` the same for the prompt (``RequestOutput.prompt_logprobs``).
     """
@@ -52,6 +54,9 @@ class SamplingParams:
     # Derived on construction (read per sequence in every step's host work, where a property's
     # call per read showed: ``scripts/closed_round_ops.py``).
     greedy: bool = field(init=False, repr=False, compare=False)
+    # A seeded sampled request: its draws are keyed by (seed, position) (``engine.keyed_noise``),
+    # and speculation verifies it as a greedy one, against the keyed draw at each node.
+    keyed: bool = field(init=False, repr=False, compare=False)
     has_penalties: bool = field(init=False, repr=False, compare=False)
     # Penalties, a logit bias or min_tokens: the logits are changed before each draw, on the
     # host path.
@@ -88,6 +93,7 @@ class SamplingParams:
             ):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         object.__setattr__(self, "greedy", float(self.temperature) == 0.0)
+        object.__setattr__(self, "keyed", self.seed is not None and not self.greedy)
         object.__setattr__(self, "has_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         try:

@@ -8,7 +8,9 @@ distribution a speculative step reproduces is exactly the one autoregressive dec
 2. ``probs_from_logits``: temperature scaling, then top-k, then top-p (nucleus) on the
    renormalised top-k distribution, then softmax. Temperature 0 gives a one-hot at the argmax.
 3. ``sample_from_probs`` / ``sample_without_replacement``: draws with an exponential race
-   (equivalently Gumbel-max / Gumbel-top-k), all randomness from the sequence's own generator.
+   (equivalently Gumbel-max / Gumbel-top-k), all randomness from the sequence's own generator,
+   or for a seeded request from noise keyed by its seed and the token's position
+   (``engine.keyed_noise``).
 
 Tie rules (deterministic, documented so that tests can rely on them): top-k keeps exactly ``k``
 tokens and, among tokens tied at the boundary, the lower ids (stable sort); greedy rows take
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 
 from engine.host_tensor import to_device
+from engine.keyed_noise import keyed_exponentials
 from engine.params import SamplingParams
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -202,23 +205,27 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator) -> int:
     return int(token)
 
 
-def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
-    """One token per row of ``probs`` ``[R, V]``, row r drawn with ``generators[r]``, left on the
-    device: the tokens [R] and whether each row had positive mass [R] bool (the caller checks
-    it when it reads the tokens, in the same copy).
+def draw_rows(probs: Tensor, keys: Sequence[tuple[int, int] | None]) -> tuple[Tensor, Tensor]:
+    """One token per row of ``probs`` ``[R, V]``, left on the device: the tokens [R] and whether
+    each row had positive mass [R] bool (the caller checks it when it reads the tokens, in the
+    same copy).
 
-    The same exponential race as ``sample_from_probs``, consuming each generator the same way,
-    so a seeded request draws the same tokens whether its row is sampled alone or in a batch;
-    rows whose generator is None (unseeded requests) draw from the device's default generator,
-    all in one kernel."""
-    if probs.dim() != 2 or probs.shape[0] != len(generators):
-        raise ValueError(f"probs must be [R, V] with one generator per row, got {tuple(probs.shape)}")
-    exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)  # [R, V]
-    seeded = [(r, gen) for r, gen in enumerate(generators) if gen is not None]
-    if len(seeded) < len(generators):
-        exp.exponential_()  # every row at once; seeded rows are overwritten below
-    for r, gen in seeded:  # (not a walk over every row's view: unseeded batches have none)
-        exp[r].exponential_(generator=gen)
+    The same exponential race as ``sample_from_probs``: row r's noise keyed by ``keys[r]`` =
+    (seed, position of the drawn token) (``engine.keyed_noise``: a seeded request draws the
+    same token there whatever came before, alone or in a batch), or where None (unseeded
+    requests) drawn from the device's default generator, all rows in one race."""
+    if probs.dim() != 2 or probs.shape[0] != len(keys):
+        raise ValueError(f"probs must be [R, V] with one key per row, got {tuple(probs.shape)}")
+    keyed = [r for r, key in enumerate(keys) if key is not None]
+    seeds = [key[0] for key in keys if key is not None]
+    positions = [key[1] for key in keys if key is not None]
+    noise = keyed_exponentials(seeds, positions, probs.shape[1], probs.device) if keyed else None  # [K, V]
+    if noise is not None and len(keyed) == len(keys):
+        exp = noise  # [R, V]
+    else:
+        exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_()  # [R, V]
+        if noise is not None:
+            exp[torch.tensor(keyed, device=probs.device)] = noise
     best, tokens = (probs.float() / exp.clamp_(min=_TINY)).max(dim=-1)  # [R] x2
     return tokens, best > 0
 

@@ -2,7 +2,8 @@
 
 Rows without penalties are drawn on the device in one batched call (``draw_tokens``): greedy
 rows take the argmax, sampled rows race the noise ``engine.sampling.draw_rows`` would draw, in
-one fused kernel on the GPU (``race_draw``). The drawn tokens stay on the device until read,
+one fused kernel on the GPU (``race_draw``); a seeded request's noise is keyed by its seed and
+the token's position (``engine.keyed_noise``). The drawn tokens stay on the device until read,
 packed with a per-row flag "the law had probability mass" so one copy brings both back
 (``read_drawn``), or staged to pinned host memory so that work queued after them does not delay
 their read (``stage_drawn`` / ``read_staged``). Rows with penalties, a logit bias or
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.host_tensor import int_tensor, to_device
+from engine.keyed_noise import keyed_race
 from engine.sampling import (
     SamplingTensors,
     apply_logit_bias,
@@ -45,9 +47,12 @@ def sample_tokens(seqs: list[Sequence], logits: torch.Tensor, vocab_size: int) -
     ]
 
 
-def draw_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw_tokens(
+    seqs: list[Sequence], logits: torch.Tensor, lands_at: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tokens [B] of ``seqs`` (none with penalties) left on the device: greedy rows the argmax,
-    sampled rows one batched draw (seeded requests from their own generators, the others from
+    sampled rows one batched draw (seeded requests keyed by their seeds and the positions the
+    tokens take, ``lands_at``, by default the end of each sequence's tokens; the others from
     the device's default generator, in one kernel); and whether each row had probability mass
     [B] bool (None: all greedy)."""
     sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
@@ -57,19 +62,23 @@ def draw_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tenso
     # The whole batch needs no row selection (an index copied to the device, a gather).
     index = None if everyone else to_device(int_tensor(sampled), logits.device)  # [S]
     rows = logits if index is None else logits.index_select(0, index)  # [S, V]
-    drawn, ok = draw_sampled(rows, [seqs[i] for i in sampled])  # [S] x2
+    if lands_at is None:
+        lands_at = [len(s.tokens) for s in seqs]
+    drawn, ok = draw_sampled(rows, [seqs[i] for i in sampled], [lands_at[i] for i in sampled])  # [S] x2
     if index is None:
         return drawn, ok
     every_ok = torch.ones(len(seqs), dtype=torch.bool, device=logits.device).index_copy(0, index, ok)
     return logits.argmax(dim=-1).index_copy(0, index, drawn), every_ok
 
 
-def draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``rows`` [S, V] (every sequence samples) [S] and whether its law had
-    mass [S] bool. The law (top-k / top-p where a request uses them) and, from the device's
-    default generator, the race over the noise ``draw_rows`` would draw, in one fused kernel on
-    the GPU (``race_draw``); a batch with seeded rows takes the law alone and ``draw_rows`` with
-    each seeded request's generator."""
+def draw_sampled(
+    rows: torch.Tensor, seqs: list[Sequence], lands_at: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``rows`` [S, V] (every sequence samples; its token takes position
+    ``lands_at[i]``) [S] and whether its law had mass [S] bool. The law (top-k / top-p where a
+    request uses them) and, from the device's default generator, the race over the noise
+    ``draw_rows`` would draw, in one fused kernel on the GPU (``race_draw``); a batch with
+    seeded rows takes the law alone and ``draw_rows`` with each seeded row's key."""
     params = [s.sampling for s in seqs]
     filters: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # known here: no device read
@@ -77,11 +86,12 @@ def draw_sampled(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor
         temperature, filters = st.temperature, (st.top_k, st.top_p)
     else:  # one copy of the temperatures alone (a host-bound step's fewest kernels)
         temperature = to_device(torch.tensor([p.temperature for p in params]), rows.device)  # [S]
-    if all(p.seed is None for p in params):
+    if not any(p.keyed for p in params):
         _, keys, tokens = race_draw(rows, temperature, 1, 1, None, *filters)  # [S, 1] x2
         return tokens[:, 0], keys[:, 0] > 0
     law = race_draw(rows, temperature, 1, 0, None, *filters)[0]  # [S, V]
-    return draw_rows(law, [s.generator if s.sampling.seed is not None else None for s in seqs])
+    return draw_rows(law, [(p.seed, t) if p.keyed and p.seed is not None else None
+                          for p, t in zip(params, lands_at, strict=True)])  # fmt: skip
 
 
 def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
@@ -108,6 +118,12 @@ def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
         torch.tensor([int(params.top_k)]),
         torch.tensor([float(params.top_p)]),
     )[0]  # [V]
+    if params.keyed:
+        assert params.seed is not None
+        token, ok = keyed_race(probs[None], [params.seed], [len(seq.tokens)])  # [1] x2
+        if not bool(ok[0]):
+            raise ValueError("probs has no positive mass")
+        return int(token[0])
     return sample_from_probs(probs, seq.generator)
 
 

@@ -23,6 +23,9 @@ the best ``num_draft_tokens`` nodes of the whole tree; sampling requests draw th
 without replacement from the draft distribution at the request's temperature / top-k / top-p,
 and keep the first ``num_draft_tokens`` nodes in creation order, which never depends on a
 child's own sampled value (the verifier's exactness condition, see ``engine.spec.tree``).
+Seeded sampled requests, whose draws are keyed by position (``engine.keyed_noise``) and which
+are verified as greedy ones, take greedy-style trees whose children are the first arrivals of
+the race over the drafter's law with the noise of the target's draw at their position.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batch_builder import SeqRows, build_batch
+from engine.keyed_noise import keyed_exponentials
 from engine.kv.block_pool import BlockPool
 from engine.model.deepseek_v3 import DeepseekV3ForCausalLM, mtp_band_mask
 from engine.sampling import probs_from_logits, sample_without_replacement
@@ -361,11 +365,14 @@ class MTPDrafter:
         for d, parents in zip(drafts, parents_per_seq, strict=True):
             new_nodes: list[int] = []
             params = d.seq.sampling
+            chosen = params.greedy or params.keyed  # children chosen, not drawn: a greedy-style tree
             for parent in parents:
                 row_tokens, row_values = top_pairs[row]
                 row += 1
                 if params.greedy:
                     picks = list(zip(row_tokens, row_values, strict=True))
+                elif params.keyed:
+                    picks = self._keyed_children(logits[row - 1], d.seq, len(d.seq.tokens) - 1 + m, topk)
                 else:
                     q = probs_from_logits(
                         logits[row - 1 : row],
@@ -381,18 +388,18 @@ class MTPDrafter:
                     picks = [(t, float(torch.log(q[t]))) for t in drawn]
                 for i, (token, logp) in enumerate(picks):
                     node = _Node(token, parent, m, d.nodes[parent].score + logp)
-                    if not params.greedy:
+                    if not chosen:
                         node.shape_index = shape_kids[i]
                     d.nodes.append(node)
                     new_nodes.append(len(d.nodes) - 1)
-            if params.greedy or self._shape_children is None:
+            if chosen or self._shape_children is None:
                 # The best `topk` new nodes (depends only on the nodes' own values).
                 new_nodes.sort(key=lambda i: -d.nodes[i].score)
                 d.frontier = sorted(new_nodes[: budget.topk])
             else:
                 # Planned shape: expand exactly the nodes the shape gives children.
                 d.frontier = [i for i in new_nodes if self._shape_children[d.nodes[i].shape_index]]
-            if not params.greedy and len(d.nodes) - 1 >= budget.num_draft_tokens:
+            if not chosen and len(d.nodes) - 1 >= budget.num_draft_tokens:
                 d.frontier = []  # creation order already fills the budget
             if params.greedy and d.frontier and budget.min_path_prob > 0:
                 # EAGLE-2's confidence: stop drafting deeper once even the best path is unlikely
@@ -400,6 +407,27 @@ class MTPDrafter:
                 best = max(d.nodes[i].score for i in d.frontier)
                 if best < math.log(budget.min_path_prob):
                     d.frontier = []
+
+    @staticmethod
+    def _keyed_children(logits: torch.Tensor, seq: Sequence, lands_at: int, k: int) -> list[tuple[int, float]]:
+        """A seeded sampled request's ``k`` children of one node from the drafter's ``logits``
+        [V], with their draft log-probabilities: the first arrivals of the race over the
+        drafter's law (the request's temperature, top-k, top-p) with the noise the target's
+        draw at ``lands_at`` races over (``engine.keyed_noise``). Where the two laws agree the
+        first is the target's token (Gumbel-max coupling); whatever they are, the verifier
+        emits the target's draws."""
+        params = seq.sampling
+        assert params.seed is not None
+        q = probs_from_logits(
+            logits[None],
+            torch.tensor([params.temperature]),
+            torch.tensor([params.top_k]),
+            torch.tensor([params.top_p]),
+        )[0]  # [V]
+        noise = keyed_exponentials([params.seed], [lands_at], q.shape[0], q.device)[0]  # [V]
+        values, tokens = (q / noise).topk(min(k, q.shape[0]))  # [k] x2, arrival order
+        log_q = torch.log(q[tokens])  # [k]
+        return [(t, lp) for t, v, lp in zip(tokens.tolist(), values.tolist(), log_q.tolist(), strict=True) if v > 0]
 
     def _planned_children(self, shape_index: int, topk: int) -> list[int]:
         """Shape nodes filled by the children of a sampled node (in draw order)."""
@@ -412,7 +440,7 @@ class MTPDrafter:
         root_token = d.nodes[0].token
         if not cands:
             return DraftTree([root_token], [-1])
-        if d.seq.sampling.greedy:
+        if d.seq.sampling.greedy or d.seq.sampling.keyed:
             parents = torch.tensor([n.parent - 1 for n in cands])  # candidate index space
             scores = torch.tensor([n.score for n in cands], dtype=torch.float64)
             keep = select_best_nodes(scores, parents, budget.num_draft_tokens)

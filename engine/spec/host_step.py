@@ -4,7 +4,8 @@ The reference path of speculative decoding, and the one that serves what no devi
 step (``engine.spec.graphed_tree``) takes: eager engines (the CPU's default), requests with
 penalties, budgets without a captured step. Each sequence's tree is drafted by the MTP modules
 (``MTPDrafter.draft``), all trees are verified in one target forward under their tree masks,
-each is accepted on the host (``verify_greedy`` / ``verify_sampling``: lossless), and one fused
+each is accepted on the host (``verify_greedy`` / ``verify_sampling``: lossless; a seeded
+sampled request greedily against its keyed draws, ``engine.keyed_noise``), and one fused
 call moves the accepted path's target KV down and zeroes the rejected slots
 (``compact_and_zero``). The engine appends the emitted tokens (``LLMEngine._append_tokens``).
 """
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from engine.batch_builder import SeqRows, build_batch
+from engine.keyed_noise import target_tokens
 from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import compact_and_zero
 from engine.logprobs import TokenLogprob, token_logprobs
@@ -172,6 +174,11 @@ class HostTreeStep:
             torch.full((n,), int(params.top_k), dtype=torch.long),
             torch.full((n,), float(params.top_p)),
         )  # [n, V]
+        if params.keyed and params.seed is not None:
+            # Node a's row draws the token at position num_committed + depth(a) + 1: its keyed
+            # draw is the token autoregressive decoding would take there, so the check is greedy.
+            lands_at = [seq.num_committed + d + 1 for d in tree.depth_list]
+            return verify_greedy(tree, target_tokens(probs, params.seed, lands_at))
         return verify_sampling(tree, probs, seq.generator)
 
     def _compact(self, src: list[torch.Tensor], dst: list[torch.Tensor], zero: list[torch.Tensor]) -> None:

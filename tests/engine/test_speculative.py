@@ -79,10 +79,10 @@ def test_seeded_sampling_is_reproducible(small_vocab_dir: Path) -> None:
 
 
 def test_seeded_sampling_is_reproducible_under_adaptive_speculation(small_vocab_dir: Path) -> None:
-    """Which tokens a seed draws depends on the drafts verified, and adaptive speculation
-    drafts as the load allows: so it decodes seeded sampled requests autoregressively, and
-    each gives the same tokens alone as beside other requests (greedy, unseeded, other seeds;
-    the batch drafting or not), the tokens no speculation gives with that seed."""
+    """Adaptive speculation drafts as the load allows; a seeded request's draws are keyed by
+    position (``engine.keyed_noise``), so each gives the same tokens alone as beside other
+    requests (greedy, unseeded, other seeds; the batch drafting or not), the tokens no
+    speculation gives with that seed."""
     eng = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="adaptive"))
     base = LLMEngine.from_pretrained(small_vocab_dir, spec=SpecConfig(method="none"))
     prompts = [[1, 2, 3, 4], [2, 5, 1], [3, 3, 0, 1, 2]]

@@ -55,7 +55,7 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     seqs = _seqs(eng, [SamplingParams(max_tokens=4, temperature=t) for t in temps])
     for seed in range(20):
         torch.manual_seed(seed)
-        fused, ok = draw_sampled(logits, seqs)
+        fused, ok = draw_sampled(logits, seqs, [3] * len(seqs))
         torch.manual_seed(seed)
         want, want_ok = draw_rows(temperature_softmax(logits, torch.tensor(temps)), [None] * len(temps))
         assert fused.tolist() == want.tolist() and ok.all() and want_ok.all()
@@ -63,20 +63,21 @@ def test_plain_temperature_rows_race_the_noise_draw_rows_would_draw(
     for s in seqs:
         eng.abort_request(s.request_id)
     top_k = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, top_k=1)])
-    assert draw_sampled(logits[:1], top_k)[0].tolist() == [int(logits[0].argmax())]
+    assert draw_sampled(logits[:1], top_k, [3])[0].tolist() == [int(logits[0].argmax())]
     assert fused_calls[20:] == [(1, 1)]  # top-k and top-p rows too, from the filtered law
     for s in top_k:
         eng.abort_request(s.request_id)
     seeded = _seqs(eng, [SamplingParams(max_tokens=4, temperature=0.7, seed=3)])
     drawn = []
-    for seed in (0, 1):  # whatever the default generator's state: the request's own draws
+    for seed in (0, 1):  # whatever the default generator's state: the draw keyed by seed and position
         torch.manual_seed(seed)
-        token, ok = draw_sampled(logits[:1], seeded)
+        token, ok = draw_sampled(logits[:1], seeded, [3])
         assert ok.tolist() == [True]
         drawn.append(token.tolist())
-        seeded[0].generator.manual_seed(3)  # as the request started
     assert drawn[0] == drawn[1]
     assert fused_calls[21:] == [(1, 0), (1, 0)]  # the law alone; draw_rows draws the token
+    law = temperature_softmax(logits[:1], torch.tensor([0.7]))
+    assert drawn[0] == draw_rows(law, [(3, 3)])[0].tolist()
 
 
 def test_a_sampled_row_with_no_mass_is_flagged(dense_model_dir: Path) -> None:
@@ -84,7 +85,7 @@ def test_a_sampled_row_with_no_mass_is_flagged(dense_model_dir: Path) -> None:
     vocab = eng.model_config.vocab_size
     logits = torch.zeros(2, vocab)
     logits[1] = float("nan")  # a broken row: no law to draw from
-    _, ok = draw_sampled(logits, _seqs(eng, [SAMPLED, SAMPLED]))
+    _, ok = draw_sampled(logits, _seqs(eng, [SAMPLED, SAMPLED]), [3, 3])
     assert ok.tolist() == [True, False]
 
 

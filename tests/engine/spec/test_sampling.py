@@ -170,26 +170,27 @@ def test_without_replacement_second_draw_law() -> None:
 
 
 def test_batched_rows_draw_what_single_rows_draw() -> None:
-    """``draw_rows`` consumes each row's generator like ``sample_from_probs``: a seeded request
-    draws the same tokens alone or in a batch."""
-    from engine.sampling import draw_rows, make_generator, sample_from_probs
+    """``draw_rows`` keys each seeded row's noise by (seed, position): a seeded request draws
+    the same tokens alone or in a batch, beside unseeded rows or not."""
+    from engine.sampling import draw_rows
 
     probs = torch.softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
-    single_gens = [make_generator(100 + r) for r in range(5)]
-    batch_gens = [make_generator(100 + r) for r in range(5)]
-    for _ in range(20):
-        single = [sample_from_probs(probs[r], single_gens[r]) for r in range(5)]
-        assert draw_rows(probs, batch_gens)[0].tolist() == single
+    for position in range(20):
+        keys = [(100 + r, position) for r in range(5)]
+        single = [int(draw_rows(probs[r : r + 1], [keys[r]])[0]) for r in range(5)]
+        assert draw_rows(probs, keys)[0].tolist() == single
+        mixed = draw_rows(probs, [keys[0], None, keys[2], None, keys[4]])[0].tolist()
+        assert mixed[0::2] == single[0::2]
 
 
 def test_batched_rows_reject_rows_without_mass() -> None:
     """``draw_rows`` flags a row without mass; reading the draw (``read_drawn``) refuses it."""
-    from engine.sampling import draw_rows, make_generator
+    from engine.sampling import draw_rows
     from engine.token_draw import read_drawn
 
     probs = torch.zeros(2, 4)
     probs[0, 1] = 1.0
-    tokens, ok = draw_rows(probs, [make_generator(0), make_generator(1)])
+    tokens, ok = draw_rows(probs, [(0, 3), None])
     assert ok.tolist() == [True, False]
     assert read_drawn(tokens, ok, [0]) == [1]
     with pytest.raises(ValueError, match="no positive mass"):
@@ -213,17 +214,16 @@ def test_a_staged_read_of_drawn_tokens_gives_them_and_refuses_rows_without_mass(
 
 
 def test_seeded_rows_next_to_unseeded_ones_draw_what_they_draw_alone() -> None:
-    """Unseeded rows share one draw from the default generator; the seeded rows among them are
-    overwritten from their own generators and draw as they would alone."""
-    from engine.sampling import draw_rows, make_generator, sample_from_probs
+    """Unseeded rows share one draw from the default generator; the seeded rows among them
+    race their keyed noise (``engine.keyed_noise``) and draw as they would alone."""
+    from engine.keyed_noise import keyed_race
+    from engine.sampling import draw_rows
 
     probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
-    alone = [make_generator(7), make_generator(8)]
-    mixed = [make_generator(7), None, make_generator(8), None]
-    for _ in range(20):
-        want = [sample_from_probs(probs[0], alone[0]), sample_from_probs(probs[2], alone[1])]
+    for position in range(20):
+        want = keyed_race(probs[0::2], [7, 8], [position, position])[0].tolist()
         torch.manual_seed(3)
-        got = draw_rows(probs, mixed)[0].tolist()
+        got = draw_rows(probs, [(7, position), None, (8, position), None])[0].tolist()
         torch.manual_seed(3)
         again = draw_rows(probs, [None] * 4)[0].tolist()
         assert [got[0], got[2]] == want
