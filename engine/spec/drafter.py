@@ -24,8 +24,8 @@ without replacement from the draft distribution at the request's temperature / t
 and keep the first ``num_draft_tokens`` nodes in creation order, which never depends on a
 child's own sampled value (the verifier's exactness condition, see ``engine.spec.tree``).
 Seeded sampled requests, whose draws are keyed by position (``engine.keyed_noise``) and which
-are verified as greedy ones, take greedy-style trees whose children are the first arrivals of
-the race over the drafter's law with the noise of the target's draw at their position.
+are verified as greedy ones, take the sampled trees' shape, their children the first arrivals
+of the race over the drafter's law with the noise of the target's draw at their position.
 """
 
 from __future__ import annotations
@@ -72,6 +72,16 @@ def _rows_mask(n_catch: int, depth: int, n_front: int) -> torch.Tensor:
     if n_catch + n_front <= _CACHED_MASK_ROWS:
         return _cached_rows_mask(n_catch, depth, n_front)
     return _build_rows_mask(n_catch, depth, n_front)
+
+
+def _keyed_arrivals(q: torch.Tensor, noise: torch.Tensor, k: int) -> list[int]:
+    """A seeded sampled request's children of one node: the first ``k`` arrivals (those with
+    mass) of the race over the drafter's law ``q`` [V] with ``noise`` [V], that of the target's
+    keyed draw at the children's position (``engine.keyed_noise``). Where the two laws agree the
+    first arrival is the target's token (Gumbel-max coupling); whatever they are, the verifier
+    emits the target's draws, so they need no law of their own (no ``child_q``)."""
+    values, tokens = (q / noise).topk(min(k, q.shape[0]))  # [k] x2, arrival order
+    return [t for t, v in zip(tokens.tolist(), values.tolist(), strict=True) if v > 0]
 
 
 def _children_of(shape: TreeShape) -> list[list[int]]:
@@ -365,14 +375,12 @@ class MTPDrafter:
         for d, parents in zip(drafts, parents_per_seq, strict=True):
             new_nodes: list[int] = []
             params = d.seq.sampling
-            chosen = params.greedy or params.keyed  # children chosen, not drawn: a greedy-style tree
+            noise: torch.Tensor | None = None  # a seeded request's keyed noise at this depth [V]
             for parent in parents:
                 row_tokens, row_values = top_pairs[row]
                 row += 1
                 if params.greedy:
                     picks = list(zip(row_tokens, row_values, strict=True))
-                elif params.keyed:
-                    picks = self._keyed_children(logits[row - 1], d.seq, len(d.seq.tokens) - 1 + m, topk)
                 else:
                     q = probs_from_logits(
                         logits[row - 1 : row],
@@ -383,23 +391,29 @@ class MTPDrafter:
                     shape_kids = self._planned_children(d.nodes[parent].shape_index, topk)
                     if not shape_kids:
                         continue
-                    d.child_q[parent] = q
-                    drawn = sample_without_replacement(q, len(shape_kids), d.seq.generator)
+                    if params.keyed and params.seed is not None:
+                        if noise is None:  # one position for every node of this depth
+                            lands_at = len(d.seq.tokens) - 1 + m
+                            noise = keyed_exponentials([params.seed], [lands_at], q.shape[0], q.device)[0]  # [V]
+                        drawn = _keyed_arrivals(q, noise, len(shape_kids))
+                    else:
+                        d.child_q[parent] = q
+                        drawn = sample_without_replacement(q, len(shape_kids), d.seq.generator)
                     picks = [(t, float(torch.log(q[t]))) for t in drawn]
                 for i, (token, logp) in enumerate(picks):
                     node = _Node(token, parent, m, d.nodes[parent].score + logp)
-                    if not chosen:
+                    if not params.greedy:
                         node.shape_index = shape_kids[i]
                     d.nodes.append(node)
                     new_nodes.append(len(d.nodes) - 1)
-            if chosen or self._shape_children is None:
+            if params.greedy or self._shape_children is None:
                 # The best `topk` new nodes (depends only on the nodes' own values).
                 new_nodes.sort(key=lambda i: -d.nodes[i].score)
                 d.frontier = sorted(new_nodes[: budget.topk])
             else:
                 # Planned shape: expand exactly the nodes the shape gives children.
                 d.frontier = [i for i in new_nodes if self._shape_children[d.nodes[i].shape_index]]
-            if not chosen and len(d.nodes) - 1 >= budget.num_draft_tokens:
+            if not params.greedy and len(d.nodes) - 1 >= budget.num_draft_tokens:
                 d.frontier = []  # creation order already fills the budget
             if params.greedy and d.frontier and budget.min_path_prob > 0:
                 # EAGLE-2's confidence: stop drafting deeper once even the best path is unlikely
@@ -407,27 +421,6 @@ class MTPDrafter:
                 best = max(d.nodes[i].score for i in d.frontier)
                 if best < math.log(budget.min_path_prob):
                     d.frontier = []
-
-    @staticmethod
-    def _keyed_children(logits: torch.Tensor, seq: Sequence, lands_at: int, k: int) -> list[tuple[int, float]]:
-        """A seeded sampled request's ``k`` children of one node from the drafter's ``logits``
-        [V], with their draft log-probabilities: the first arrivals of the race over the
-        drafter's law (the request's temperature, top-k, top-p) with the noise the target's
-        draw at ``lands_at`` races over (``engine.keyed_noise``). Where the two laws agree the
-        first is the target's token (Gumbel-max coupling); whatever they are, the verifier
-        emits the target's draws."""
-        params = seq.sampling
-        assert params.seed is not None
-        q = probs_from_logits(
-            logits[None],
-            torch.tensor([params.temperature]),
-            torch.tensor([params.top_k]),
-            torch.tensor([params.top_p]),
-        )[0]  # [V]
-        noise = keyed_exponentials([params.seed], [lands_at], q.shape[0], q.device)[0]  # [V]
-        values, tokens = (q / noise).topk(min(k, q.shape[0]))  # [k] x2, arrival order
-        log_q = torch.log(q[tokens])  # [k]
-        return [(t, lp) for t, v, lp in zip(tokens.tolist(), values.tolist(), log_q.tolist(), strict=True) if v > 0]
 
     def _planned_children(self, shape_index: int, topk: int) -> list[int]:
         """Shape nodes filled by the children of a sampled node (in draw order)."""
@@ -440,7 +433,7 @@ class MTPDrafter:
         root_token = d.nodes[0].token
         if not cands:
             return DraftTree([root_token], [-1])
-        if d.seq.sampling.greedy or d.seq.sampling.keyed:
+        if d.seq.sampling.greedy:
             parents = torch.tensor([n.parent - 1 for n in cands])  # candidate index space
             scores = torch.tensor([n.score for n in cands], dtype=torch.float64)
             keep = select_best_nodes(scores, parents, budget.num_draft_tokens)
