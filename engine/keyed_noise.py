@@ -18,9 +18,9 @@ depends on the law there alone, not on how many draws came before it. Two conseq
   (Gumbel-max coupling).
 
 The hash is integer arithmetic on int64 tensors, exact on every device: 32-bit words mixed by
-Wellons' ``lowbias32`` finaliser, each multiplication split in 16-bit halves so that no
-intermediate leaves int64's range; each entry's 32 bits give its uniform (a law off by at most
-2**-32 in any token's probability).
+a finaliser of Wellons' whose multipliers keep every product inside int64's range; the top 24
+bits of each entry give its uniform, exact in float32 (a law off by about 2**-24 at most in any
+token's probability).
 """
 
 from __future__ import annotations
@@ -36,19 +36,14 @@ _MASK32 = 0xFFFFFFFF
 _SEED_LOW, _SEED_HIGH, _POSITION, _TOKEN = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F
 
 
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32) and ``c`` < 2**32, without overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
 def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit avalanche mix (``lowbias32``) of int64 ``x`` in [0, 2**32)."""
+    """A 32-bit avalanche mix of int64 ``x`` in [0, 2**32): Wellons' ``lowbias32_r`` (shifts
+    16, 15, 15), whose multipliers are below 2**31, so no product leaves int64's range."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = (x * 0x21F0AAAD) & _MASK32
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
 
 
 def _row_keys(seeds: list[int], positions: list[int], device: torch.device | str) -> Tensor:
@@ -75,8 +70,8 @@ def keyed_exponentials(
     batch."""
     key = _row_keys(seeds, positions, device)[:, None]  # [R, 1]
     bits = _mix32(key ^ _token_words(vocab_size, torch.device(device))[None, :])  # [R, V]
-    uniform = (bits.double() + 0.5) * 2.0**-32  # [R, V] in (0, 1)
-    return (-torch.log(uniform)).float()  # [R, V]
+    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # [R, V] in (0, 1), 24 bits: exact in float32
+    return -torch.log(uniform)  # [R, V]
 
 
 @functools.cache
