@@ -92,8 +92,9 @@ def base_free(eng: LLMEngine) -> int:
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["sampled", "mixed-with-greedy"])
 def test_seeded_sampling_is_reproduced_with_steps_launched_ahead(small_vocab_dir: Path, mixed: bool) -> None:
-    """Each seeded request draws from its own generator, once per step, launched ahead or not;
-    greedy rows in the same batch take the argmax."""
+    """Each seeded request draws with the noise keyed by its seed and the position of the
+    token (a step launched ahead draws one position further on); greedy rows in the same batch
+    take the argmax."""
     params = [SamplingParams(max_tokens=m, temperature=0.0 if mixed and i % 2 else 0.9, seed=100 + i,
                              ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
     spec = SpecConfig(method="none")
