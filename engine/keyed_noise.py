@@ -30,6 +30,8 @@ import functools
 import torch
 from torch import Tensor
 
+from engine.host_tensor import to_device
+
 _MASK32 = 0xFFFFFFFF
 # Odd constants xored into each word before it is mixed, one per role, so that equal words in
 # different roles (a seed's half and a position, say) mix to different keys.
@@ -53,10 +55,10 @@ def _row_keys(seeds: list[int], positions: list[int], device: torch.device | str
         raise ValueError(f"{len(seeds)} seeds for {len(positions)} positions")
     if any(p < 0 for p in positions):
         raise ValueError(f"positions must be non-negative, got {positions}")
-    words = torch.tensor(
+    words = to_device(torch.tensor(
         [[s & _MASK32, (s >> 32) & _MASK32, p & _MASK32] for s, p in zip(seeds, positions, strict=True)],
         dtype=torch.int64,
-    ).reshape(len(seeds), 3).to(device)  # [R, 3]
+    ).reshape(len(seeds), 3), device)  # [R, 3]
     key = _mix32(words[:, 0] ^ _SEED_LOW)
     key = _mix32(key ^ _mix32(words[:, 1] ^ _SEED_HIGH))
     return _mix32(key ^ _mix32(words[:, 2] ^ _POSITION))  # [R]

@@ -225,7 +225,7 @@ def draw_rows(probs: Tensor, keys: Sequence[tuple[int, int] | None]) -> tuple[Te
     else:
         exp = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_()  # [R, V]
         if noise is not None:
-            exp[torch.tensor(keyed, device=probs.device)] = noise
+            exp[to_device(torch.tensor(keyed), probs.device)] = noise
     best, tokens = (probs.float() / exp.clamp_(min=_TINY)).max(dim=-1)  # [R] x2
     return tokens, best > 0
 
