@@ -10,7 +10,7 @@ depends on the law there alone, not on how many draws came before it. Two conseq
 * a seeded request gives the same tokens alone or in any batch, under any speculation method
   and any load (no draws of a stream are consumed by coins or sampled drafts);
 * a speculative step verifies a seeded request as it verifies a greedy one: a drafted token is
-  accepted iff it is the token the race at its parent gives (``target_tokens``), and the
+  accepted iff it is the token the race at its parent gives (``keyed_tokens``), and the
   tokens emitted are exactly those of autoregressive decoding with that seed, whatever was
   drafted. Each is the race's first arrival over noise independent of everything before it, so
   it has exactly the target law. Drafting may race the draft model's law over the same noise
@@ -93,10 +93,11 @@ def keyed_race(probs: Tensor, seeds: list[int], positions: list[int]) -> tuple[T
     return tokens, best > 0
 
 
-def target_tokens(probs: Tensor, seed: int, positions: list[int]) -> Tensor:
-    """The token the target's law gives after each node of a seeded request's tree: rows of
-    ``probs`` [N, V], node ``i``'s drawn token landing at ``positions[i]`` [N] int64."""
+def keyed_tokens(probs: Tensor, seed: int, positions: list[int]) -> list[int]:
+    """One seeded request's tokens, read to the host: row ``i`` of ``probs`` [N, V] drawn at
+    ``positions[i]`` (its decode step's row, or each node of its tree). A row without
+    probability mass is an error."""
     tokens, ok = keyed_race(probs, [seed] * len(positions), positions)
     if not bool(ok.all()):
-        raise ValueError("a target row has no positive mass")
-    return tokens
+        raise ValueError("probs has no positive mass")
+    return [int(t) for t in tokens.tolist()]

@@ -323,7 +323,7 @@ class LLMEngine:
             seq.new_turn()
         seq.output_start = len(seq.tokens)
         seq.num_prompt_tokens = len(ids)
-        if sampling.seed is not None and not sampling.greedy:
+        if sampling.keyed:
             self._seeded_ids.add(request_id)
         if sampling.logprobs is not None:
             self._logprob_ids.add(request_id)
@@ -1304,4 +1304,3 @@ class LLMEngine:
         if self._released:
             self.pool.free(self._released)
             self._released = []
-

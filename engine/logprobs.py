@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.host_tensor import int_tensor, to_device
+
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit; vLLM's default cap)
 
 
@@ -33,7 +35,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
     if logits.shape[0] != len(tokens):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(tokens)} tokens")
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)  # [R, 1]
+    index = to_device(int_tensor(tokens), logits.device).unsqueeze(1)  # [R, 1]
     chosen = logp.gather(1, index).squeeze(1).tolist()
     if k:
         top_values, top_ids = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [R, k]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.host_tensor import int_tensor, to_device
-from engine.keyed_noise import keyed_race
+from engine.keyed_noise import keyed_tokens
 from engine.sampling import (
     SamplingTensors,
     apply_logit_bias,
@@ -62,9 +62,8 @@ def draw_tokens(
     # The whole batch needs no row selection (an index copied to the device, a gather).
     index = None if everyone else to_device(int_tensor(sampled), logits.device)  # [S]
     rows = logits if index is None else logits.index_select(0, index)  # [S, V]
-    if lands_at is None:
-        lands_at = [len(s.tokens) for s in seqs]
-    drawn, ok = draw_sampled(rows, [seqs[i] for i in sampled], [lands_at[i] for i in sampled])  # [S] x2
+    at = None if lands_at is None else [lands_at[i] for i in sampled]
+    drawn, ok = draw_sampled(rows, [seqs[i] for i in sampled], at)  # [S] x2
     if index is None:
         return drawn, ok
     every_ok = torch.ones(len(seqs), dtype=torch.bool, device=logits.device).index_copy(0, index, ok)
@@ -72,10 +71,10 @@ def draw_tokens(
 
 
 def draw_sampled(
-    rows: torch.Tensor, seqs: list[Sequence], lands_at: list[int]
+    rows: torch.Tensor, seqs: list[Sequence], lands_at: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``rows`` [S, V] (every sequence samples; its token takes position
-    ``lands_at[i]``) [S] and whether its law had mass [S] bool. The law (top-k / top-p where a
+    ``lands_at[i]``, by default the end of its tokens) [S] and whether its law had mass [S] bool. The law (top-k / top-p where a
     request uses them) and, from the device's default generator, the race over the noise
     ``draw_rows`` would draw, in one fused kernel on the GPU (``race_draw``); a batch with
     seeded rows takes the law alone and ``draw_rows`` with each seeded row's key."""
@@ -90,8 +89,9 @@ def draw_sampled(
         _, keys, tokens = race_draw(rows, temperature, 1, 1, None, *filters)  # [S, 1] x2
         return tokens[:, 0], keys[:, 0] > 0
     law = race_draw(rows, temperature, 1, 0, None, *filters)[0]  # [S, V]
+    at = [len(s.tokens) for s in seqs] if lands_at is None else lands_at
     return draw_rows(law, [(p.seed, t) if p.keyed and p.seed is not None else None
-                          for p, t in zip(params, lands_at, strict=True)])  # fmt: skip
+                          for p, t in zip(params, at, strict=True)])  # fmt: skip
 
 
 def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
@@ -118,12 +118,8 @@ def sample_one(seq: Sequence, logits: torch.Tensor, vocab_size: int) -> int:
         torch.tensor([int(params.top_k)]),
         torch.tensor([float(params.top_p)]),
     )[0]  # [V]
-    if params.keyed:
-        assert params.seed is not None
-        token, ok = keyed_race(probs[None], [params.seed], [len(seq.tokens)])  # [1] x2
-        if not bool(ok[0]):
-            raise ValueError("probs has no positive mass")
-        return int(token[0])
+    if params.keyed and params.seed is not None:
+        return keyed_tokens(probs[None], params.seed, [len(seq.tokens)])[0]
     return sample_from_probs(probs, seq.generator)
 
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from engine.batch_builder import SeqRows, build_batch
-from engine.keyed_noise import target_tokens
+from engine.keyed_noise import keyed_tokens
 from engine.kv.block_pool import BlockPool
 from engine.kv.compaction import compact_and_zero
 from engine.logprobs import TokenLogprob, token_logprobs
@@ -178,7 +178,7 @@ class HostTreeStep:
             # Node a's row draws the token at position num_committed + depth(a) + 1: its keyed
             # draw is the token autoregressive decoding would take there, so the check is greedy.
             lands_at = [seq.num_committed + d + 1 for d in tree.depth_list]
-            return verify_greedy(tree, target_tokens(probs, params.seed, lands_at))
+            return verify_greedy(tree, torch.tensor(keyed_tokens(probs, params.seed, lands_at)))
         return verify_sampling(tree, probs, seq.generator)
 
     def _compact(self, src: list[torch.Tensor], dst: list[torch.Tensor], zero: list[torch.Tensor]) -> None:

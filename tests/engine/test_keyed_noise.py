@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.keyed_noise import keyed_exponentials, keyed_race, target_tokens
+from engine.keyed_noise import keyed_exponentials, keyed_race, keyed_tokens
 
 LAW = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])  # [5]
 DRAWS = 20000
@@ -61,7 +61,7 @@ def test_the_race_needs_mass_and_well_formed_keys() -> None:
     tokens, ok = keyed_race(torch.tensor([[0.0, 0.0], [0.0, 2.0]]), [1, 1], [0, 0])
     assert ok.tolist() == [False, True] and tokens[1] == 1
     with pytest.raises(ValueError, match="no positive mass"):
-        target_tokens(torch.zeros(1, 3), 1, [0])
+        keyed_tokens(torch.zeros(1, 3), 1, [0])
     with pytest.raises(ValueError, match="non-negative"):
         keyed_exponentials([1], [-1], 4)
     with pytest.raises(ValueError, match="seeds for"):
